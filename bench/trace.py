@@ -1,0 +1,50 @@
+"""Mooncake-format request traces (shared/traces): one JSON object a line."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    arrival_s: float
+    input_length: int
+    output_length: int
+    # One id per 512-token block of the prompt; an id names its block and every block before it.
+    hash_ids: tuple[int, ...]
+
+    @property
+    def full_blocks(self) -> tuple[int, ...]:
+        """The cacheable blocks: a partial trailing block is never cached (DESIGN §3)."""
+        return self.hash_ids[: self.input_length // MOONCAKE_BLOCK_TOKENS]
+
+
+def load_trace(path: str | Path, speed: float = 1.0, limit: int | None = None) -> list[TraceRequest]:
+    """Requests in arrival order, with arrival times divided by `speed` (2 replays twice as fast)."""
+    if speed <= 0:
+        raise ValueError(f"speed must be positive, got {speed}")
+    requests = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(requests) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                requests.append(
+                    TraceRequest(
+                        arrival_s=row["timestamp"] / 1000.0 / speed,
+                        input_length=int(row["input_length"]),
+                        output_length=int(row["output_length"]),
+                        hash_ids=tuple(int(h) for h in row["hash_ids"]),
+                    )
+                )
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({error})") from None
+    requests.sort(key=lambda r: r.arrival_s)
+    return requests

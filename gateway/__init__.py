@@ -1,0 +1,1 @@
+"""The aiohttp OpenAI-compatible reverse proxy that routes by cached prefix."""

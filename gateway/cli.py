@@ -1,0 +1,32 @@
+"""`prefixgate`: the one command line for the gateway, the workers and the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixgate", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+
+    from bench import radix_speed, routing
+
+    routing.add_arguments(bench.add_parser("routing", help="replay a trace through every policy"))
+    radix_speed.add_arguments(bench.add_parser("radix", help="hashing and index-match speed and memory"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from bench import radix_speed, routing
+
+        {"routing": routing.run, "radix": radix_speed.run}[args.bench](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Which replica holds which cached prefix, and how much of a request's prefix each one holds.
+
+Block hashes are chained (radix.hashing), so a hash names a whole root-to-node path of the radix
+tree of prefixes. That lets the tree live flattened in one map, hash -> bitmask of the replicas
+holding that node: a match walks the request's hashes from the root and narrows the bitmask, which
+costs one dict lookup and two integer operations per matched block whatever the fleet size.
+
+Each replica also keeps its blocks in LRU order, for the two places that need to forget: a capacity
+bound per replica (approximate mode, where the gateway predicts a foreign backend's cache and has
+no eviction events to follow) and a global bound on entries that caps the gateway's memory.
+Predicted entries can expire; exact entries (from KV events) live until removed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+NEVER = math.inf
+
+
+@dataclass(slots=True)
+class _Replica:
+    bit: int
+    capacity: int | None
+    # hash -> expiry time (NEVER for exact entries); least recently used first.
+    blocks: OrderedDict[int, float] = field(default_factory=OrderedDict)
+
+
+class RadixIndex:
+    """Cached prefixes per replica, matched by leading block hashes. Pure: no clock, no I/O."""
+
+    def __init__(self, max_entries: int | None = None) -> None:
+        if max_entries is not None and max_entries <= 0:
+            raise ValueError(f"max_entries must be positive, got {max_entries}")
+        self.max_entries = max_entries
+        self._holders: dict[int, int] = {}
+        self._replicas: dict[str, _Replica] = {}
+        self._names: list[str | None] = []
+        self._free_bits: list[int] = []
+        self._entries = 0
+        # (expiry, hash, replica) for entries with a finite expiry; stale rows are skipped lazily.
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._timed = 0
+
+    # -- replicas ---------------------------------------------------------------------------
+
+    def add_replica(self, replica: str, capacity_blocks: int | None = None) -> None:
+        """Start tracking a replica; `capacity_blocks` bounds its entries with LRU eviction."""
+        if replica in self._replicas:
+            raise ValueError(f"replica {replica!r} is already in the index")
+        if capacity_blocks is not None and capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        bit = self._free_bits.pop() if self._free_bits else len(self._names)
+        if bit == len(self._names):
+            self._names.append(replica)
+        else:
+            self._names[bit] = replica
+        self._replicas[replica] = _Replica(bit=bit, capacity=capacity_blocks)
+
+    def drop_replica(self, replica: str) -> None:
+        """Forget a replica and everything it held."""
+        self.clear(replica)
+        state = self._replicas.pop(replica)
+        self._names[state.bit] = None
+        self._free_bits.append(state.bit)
+
+    def clear(self, replica: str) -> None:
+        """The replica's cache was flushed or it restarted: it holds nothing now."""
+        state = self._state(replica)
+        mask = ~(1 << state.bit)
+        holders = self._holders
+        for h, expiry in state.blocks.items():
+            rest = holders[h] & mask
+            if rest:
+                holders[h] = rest
+            else:
+                del holders[h]
+            if expiry != NEVER:
+                self._timed -= 1
+        self._entries -= len(state.blocks)
+        state.blocks.clear()
+
+    @property
+    def replicas(self) -> list[str]:
+        return list(self._replicas)
+
+    def blocks_of(self, replica: str) -> int:
+        return len(self._state(replica).blocks)
+
+    def holds(self, replica: str, block_hash: int) -> bool:
+        return block_hash in self._state(replica).blocks
+
+    def __len__(self) -> int:
+        """(block, replica) entries held, the unit of the memory bound."""
+        return self._entries
+
+    # -- updates ----------------------------------------------------------------------------
+
+    def insert(self, replica: str, hashes: Sequence[int], expires_at: float = NEVER) -> None:
+        """Record that `replica` holds these blocks (a `stored` event, or a routing prediction).
+
+        Blocks are touched from the last to the first, so a prefix's root ends up the most
+        recently used and eviction takes leaves before the roots other requests still share.
+        """
+        state = self._state(replica)
+        blocks = state.blocks
+        holders = self._holders
+        bit = 1 << state.bit
+        timed = expires_at != NEVER
+        for h in reversed(hashes):
+            old = blocks.get(h)
+            if old is None:
+                blocks[h] = expires_at
+                holders[h] = holders.get(h, 0) | bit
+                self._entries += 1
+                if timed:
+                    self._timed += 1
+            else:
+                blocks.move_to_end(h)
+                if expires_at > old:
+                    blocks[h] = expires_at
+                    if old != NEVER and not timed:
+                        self._timed -= 1
+            if timed:
+                heapq.heappush(self._deadlines, (expires_at, h, replica))
+        if state.capacity is not None:
+            while len(blocks) > state.capacity:
+                self._evict_oldest(replica, state)
+        if self.max_entries is not None:
+            while self._entries > self.max_entries:
+                largest = max(self._replicas.items(), key=lambda item: len(item[1].blocks))
+                self._evict_oldest(*largest)
+        if len(self._deadlines) > 2 * self._timed + 1024:
+            self._compact_deadlines()
+
+    def remove(self, replica: str, hashes: Iterable[int]) -> None:
+        """A `removed` event: the replica evicted these blocks. Unknown hashes are ignored."""
+        state = self._state(replica)
+        for h in hashes:
+            expiry = state.blocks.pop(h, None)
+            if expiry is not None:
+                self._forget(h, state.bit, expiry)
+
+    def expire(self, now: float) -> int:
+        """Drop predicted entries whose expiry is at or before `now`; returns how many."""
+        deadlines = self._deadlines
+        dropped = 0
+        while deadlines and deadlines[0][0] <= now:
+            expiry, h, replica = heapq.heappop(deadlines)
+            state = self._replicas.get(replica)
+            if state is not None and state.blocks.get(h) == expiry:
+                del state.blocks[h]
+                self._forget(h, state.bit, expiry)
+                dropped += 1
+        return dropped
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of `hashes` held by each replica, for the replicas that hold at least one."""
+        holders = self._holders
+        names = self._names
+        alive = holders.get(hashes[0], 0) if hashes else 0
+        depth = 1
+        result: dict[str, int] = {}
+        while alive and depth < len(hashes):
+            held = holders.get(hashes[depth], 0) & alive
+            if held != alive:
+                lost = alive ^ held
+                while lost:
+                    low = lost & -lost
+                    result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
+                    lost ^= low
+                alive = held
+            depth += 1
+        while alive:
+            low = alive & -alive
+            result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
+            alive ^= low
+        return result
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _state(self, replica: str) -> _Replica:
+        state = self._replicas.get(replica)
+        if state is None:
+            raise KeyError(f"replica {replica!r} is not in the index")
+        return state
+
+    def _evict_oldest(self, replica: str, state: _Replica) -> None:
+        h, expiry = state.blocks.popitem(last=False)
+        self._forget(h, state.bit, expiry)
+
+    def _forget(self, h: int, bit: int, expiry: float) -> None:
+        rest = self._holders[h] & ~(1 << bit)
+        if rest:
+            self._holders[h] = rest
+        else:
+            del self._holders[h]
+        self._entries -= 1
+        if expiry != NEVER:
+            self._timed -= 1
+
+    def _compact_deadlines(self) -> None:
+        """Rebuild the deadline heap from live entries when stale rows outnumber them."""
+        self._deadlines = [
+            (expiry, h, name)
+            for name, state in self._replicas.items()
+            for h, expiry in state.blocks.items()
+            if expiry != NEVER
+        ]
+        heapq.heapify(self._deadlines)

@@ -1,0 +1,1 @@
+"""The serving engine: paged KV cache, prefix caching, continuous batching, Llama-family models."""
