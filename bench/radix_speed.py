@@ -106,49 +106,79 @@ def run(args: argparse.Namespace) -> dict:
             b += timed(naive, 1)
         p50, p99 = statistics.median(a), sorted(a)[int(0.99 * (len(a) - 1))]
         n50 = statistics.median(b)
-        results[name] = {"p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3, "baseline_p50_ms": n50 * 1e3,
-                         "speedup": n50 / p50}
+        results[name] = {
+            "p50_ms": p50 * 1e3,
+            "p99_ms": p99 * 1e3,
+            "baseline_p50_ms": n50 * 1e3,
+            "speedup": n50 / p50,
+        }
         rows.append([name, p50 * 1e3, p99 * 1e3, n50 * 1e3, n50 / p50])
 
     assert block_hashes(tokens, 16, "bench") == naive_block_hashes(tokens, 16, "bench")
-    compare("hash 8192 tokens (bs 16)", lambda: block_hashes(tokens, 16, "bench"),
-            lambda: naive_block_hashes(tokens, 16, "bench"), args.repeats)
+    compare(
+        f"hash {len(tokens)} tokens (bs 16)",
+        lambda: block_hashes(tokens, 16, "bench"),
+        lambda: naive_block_hashes(tokens, 16, "bench"),
+        args.repeats,
+    )
 
     query = block_hashes(tokens, 16, "bench")
+    per_entry = bytes_per_entry(args.memory_entries, args.replicas, query)
     index, sets = build_fleet_index(args.index_entries, args.replicas, query, rng)
     assert index.match(query) == naive_match(sets, query)
-    compare(f"match vs {len(index):,} entries", lambda: index.match(query),
-            lambda: naive_match(sets, query), args.repeats)
+    compare(
+        f"match vs {len(index):,} entries",
+        lambda: index.match(query),
+        lambda: naive_match(sets, query),
+        args.repeats,
+    )
 
     depth = index.match(query)
     views = [
-        ReplicaView(id=f"r{i}", matched_blocks=depth.get(f"r{i}", 0), running=rng.randrange(8),
-                    waiting=rng.randrange(4), queued_prefill_tokens=rng.randrange(20_000))
+        ReplicaView(
+            id=f"r{i}",
+            matched_blocks=depth.get(f"r{i}", 0),
+            running=rng.randrange(8),
+            waiting=rng.randrange(4),
+            queued_prefill_tokens=rng.randrange(20_000),
+        )
         for i in range(args.replicas)
     ]
     request = RouteRequest(prompt_tokens=len(tokens), prefix_key=query[0])
     aware = build_policy(RoutingConfig(policy="prefix_aware"))
     rr = build_policy(RoutingConfig(policy="round_robin"))
-    compare(f"prefix_aware decision ({args.replicas} replicas)", lambda: aware.choose(request, views),
-            lambda: rr.choose(request, views), args.repeats)
-    del index, sets
-
-    per_entry = bytes_per_entry(args.memory_entries, args.replicas, query)
+    compare(
+        f"prefix_aware decision ({args.replicas} replicas)",
+        lambda: aware.choose(request, views),
+        lambda: rr.choose(request, views),
+        args.repeats,
+    )
     results["memory"] = {"bytes_per_entry": per_entry, "entries_traced": args.memory_entries}
-    print(format_table(
-        "routing core hot paths (baseline: hashing by struct per token, match by a set per replica,"
-        " decision by round_robin)",
-        ["path", "p50 ms", "p99 ms", "baseline p50 ms", "baseline/ours"], rows))
-    print(f"memory: {per_entry:.0f} bytes per (block, replica) entry "
-          f"(tracemalloc over {args.memory_entries:,} entries)")
+    print(
+        format_table(
+            "routing core hot paths (baseline: hashing by struct per token, match by a set per replica,"
+            " decision by round_robin)",
+            ["path", "p50 ms", "p99 ms", "baseline p50 ms", "baseline/ours"],
+            rows,
+        )
+    )
+    print(
+        f"memory: {per_entry:.0f} bytes per (block, replica) entry "
+        f"(tracemalloc over {args.memory_entries:,} entries)"
+    )
     if args.json:
         write_json(args.json, results)
     plot = args.plot or (args.json and args.json.rsplit(".", 1)[0] + ".png")
     if plot:
-        bar_panels(plot, "routing core hot paths: p50 ms, ours vs baseline", [
-            (name, {"ours": r["p50_ms"], "baseline": r["baseline_p50_ms"]})
-            for name, r in results.items() if "p50_ms" in r
-        ])
+        bar_panels(
+            plot,
+            "routing core hot paths: p50 ms, ours vs baseline",
+            [
+                (name, {"ours": r["p50_ms"], "baseline": r["baseline_p50_ms"]})
+                for name, r in results.items()
+                if "p50_ms" in r
+            ],
+        )
         print(f"plot: {plot}")
     return results
 

@@ -29,8 +29,12 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
-def bar_panels(path: str | Path, title: str, panels: Sequence[tuple[str, dict[str, float]]],
-               reference: dict[int, tuple[str, float]] | None = None) -> None:
+def bar_panels(
+    path: str | Path,
+    title: str,
+    panels: Sequence[tuple[str, dict[str, float]]],
+    reference: dict[int, tuple[str, float]] | None = None,
+) -> None:
     """One bar chart per metric side by side; `reference` draws a labelled line on panel i."""
     import matplotlib
 

@@ -14,7 +14,9 @@ from policies.round_robin import RoundRobin, RoundRobinConfig
 from policies.session_affinity import SessionAffinity, SessionAffinityConfig
 from policies.view import Policy
 
-PolicyName = Literal["round_robin", "random", "least_load", "power_of_two", "session_affinity", "prefix_aware"]
+PolicyName = Literal[
+    "round_robin", "random", "least_load", "power_of_two", "session_affinity", "prefix_aware"
+]
 
 
 class RoutingConfig(BaseModel):

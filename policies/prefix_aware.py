@@ -12,7 +12,13 @@ fleet: the prefill is done twice and the time is taken from later requests. So t
 adds `recompute_penalty` times the prefill time of the tokens r lacks that the best-cached replica
 holds; with it, a cached prefix attracts its requests until the queue it builds costs more than
 the recomputation it saves the fleet (on the Mooncake conversation trace it raises the hit rate
-from 0.88 to 0.96 of the pooled bound and lowers the mean TTFT). The hot-spot guard bounds the failure of that trade when rates are misjudged: a
+from 0.88 to 0.96 of the pooled bound and lowers the mean TTFT).
+
+A match that covers little of the prompt (below `min_match_ratio`, typically a system prompt that
+every conversation shares) is ignored: greedily chasing it packs every new session onto the few
+replicas that happen to hold it, leaves the rest idle and cold, and the sessions' later turns then
+stick to the overloaded ones. Such requests are placed for balance, and cache affinity takes over
+from their second turn. The hot-spot guard bounds the failure of that trade when rates are misjudged: a
 saturated replica (its queue at its limit, or more than `max_share` of the fleet's outstanding
 requests) ranks after every unsaturated one, so a popular prefix spills to other replicas and gets
 cached there too. Equal estimates rotate, so an idle fleet with no cache hits is spread evenly.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,11 +49,14 @@ class PrefixAwareConfig(BaseModel):
     # precise: the index follows workers' KV events; approximate: it predicts from routing decisions.
     mode: Literal["precise", "approximate"] = "precise"
     hot_spot_guard: HotSpotGuardConfig = HotSpotGuardConfig()
-    # 0 picks the best estimate; above 0 samples with weight exp(-(cost / best - 1) / temperature).
+    # In seconds: 0 picks the best score; above 0 samples the first pick with weight
+    # exp(-(score - best) / temperature), so a replica `temperature` seconds worse is e times rarer.
     temperature: float = Field(0.0, ge=0.0, le=10.0)
     decode_penalty_s: float = Field(0.0, ge=0.0, le=10.0)
     # Weight of the fleet's cost of recomputing a prefix another replica holds (0: pure est_ttft).
     recompute_penalty: float = Field(3.0, ge=0.0, le=100.0)
+    # A request whose best match covers less of its prompt than this is placed for balance alone.
+    min_match_ratio: float = Field(0.25, ge=0.0, le=1.0)
     # Estimates closer than this are a tie, broken by rotation to spread load.
     tie_tolerance_s: float = Field(0.001, ge=0.0, le=10.0)
     seed: int = 0
@@ -84,6 +94,9 @@ class PrefixAware:
             return []
         outstanding = sum(r.load for r in candidates)
         best_cached = min(max(r.cached_tokens for r in candidates), request.prompt_tokens)
+        if best_cached < self.config.min_match_ratio * request.prompt_tokens:
+            candidates = [replace(r, matched_blocks=0) for r in candidates]
+            best_cached = 0
         rows = [
             (self.saturated(r, outstanding), self.score(request, r, best_cached), r.id) for r in candidates
         ]
@@ -102,9 +115,9 @@ class PrefixAware:
         return [row[2] for row in order]
 
     def _sample_first(self, order: list[tuple[bool, float, str]]) -> list[tuple[bool, float, str]]:
-        """Softmax over relative cost among the rows as saturated as the best; the rest keep their rank."""
+        """Softmax over score among the rows as saturated as the best; the rest keep their rank."""
         pool = [row for row in order if row[0] == order[0][0]]
-        best = max(pool[0][1], 1e-9)
-        weights = [math.exp(-(row[1] / best - 1.0) / self.config.temperature) for row in pool]
+        best = pool[0][1]
+        weights = [math.exp(-(row[1] - best) / self.config.temperature) for row in pool]
         pick = self._rng.choices(range(len(pool)), weights=weights)[0]
         return [order[pick], *order[:pick], *order[pick + 1 :]]
