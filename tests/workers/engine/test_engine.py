@@ -1,0 +1,240 @@
+"""The whole engine (scheduler, block manager, runner, detokenizer) against HF `generate`, and its
+offline and async faces: prefix hits, chunked prefill, preemption, stop strings, aborts, no leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from workers.engine.engine import Engine, EngineConfig, PromptTooLong
+from workers.engine.llm import LLM, AsyncLLM
+from workers.engine.loader import LoadedModel, convert_gguf, default_gguf_path, load_tokenizer, load_weights
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import UnschedulableSequence
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, LoadedModel]:
+    """A random 2-layer Llama over SmolLM2's tokenizer, so that text paths run on real tokens."""
+    tokenizer = load_tokenizer(convert_gguf(default_gguf_path()))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    hf = LlamaForCausalLM(config).eval()
+    folder: Path = tmp_path_factory.mktemp("tiny-llama")
+    hf.save_pretrained(folder)
+    model = load_weights(folder)
+    return hf, LoadedModel(model, tokenizer, "tiny-llama", model.config, folder)
+
+
+def prompts(
+    vocab: int, lengths: tuple[int, ...] = (3, 9, 16, 17, 31, 40, 64, 90), seed: int = 1
+) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(hf: LlamaForCausalLM, batch: list[list[int]]) -> list[list[int]]:
+    outs = []
+    with torch.inference_mode():
+        for p in batch:
+            ids = torch.tensor([p])
+            gen = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=MAX_NEW,
+                do_sample=False,
+                min_new_tokens=MAX_NEW,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(p) :].tolist())
+    return outs
+
+
+def run(engine: Engine, batch: list[list[int]], sampling: SamplingParams = GREEDY) -> dict[int, list[int]]:
+    ids = [engine.add_request(p, sampling) for p in batch]
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return {k: tokens[i] for k, i in enumerate(ids)}
+
+
+CASES = {
+    "default": EngineConfig(block_size=4, num_blocks=512),
+    "chunked": EngineConfig(block_size=4, num_blocks=512, max_prefill_chunk=7, max_num_batched_tokens=24),
+    "preempting": EngineConfig(block_size=4, num_blocks=40, max_num_batched_tokens=64),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_greedy_matches_hf_generate(tiny, case: str, batch_size: int) -> None:
+    hf, loaded = tiny
+    batch = prompts(len(loaded.tokenizer))
+    expected = hf_greedy(hf, batch)
+    engine = Engine(loaded, CASES[case])
+    with mock.patch.object(engine.scheduler, "_preempt", wraps=engine.scheduler._preempt) as preempt:
+        got = []
+        for start in range(0, len(batch), batch_size):
+            got += list(run(engine, batch[start : start + batch_size]).values())
+    assert got == expected
+    if case == "preempting" and batch_size == 8:
+        assert preempt.call_count > 0, "the small pool was meant to force preemption"
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_prefix_cache_hits_keep_outputs_and_report_cached_tokens(tiny) -> None:
+    hf, loaded = tiny
+    rng = random.Random(5)
+    system = [rng.randrange(len(loaded.tokenizer)) for _ in range(40)]
+    batch = [system + [rng.randrange(len(loaded.tokenizer)) for _ in range(n)] for n in (1, 5, 13, 30)]
+    engine = Engine(loaded, EngineConfig(block_size=4, num_blocks=256))
+    cold = run(engine, batch[:1])
+    ids = [engine.add_request(p, GREEDY) for p in batch]
+    tokens: dict[int, list[int]] = {i: [] for i in ids}
+    cached: dict[int, int] = {}
+    while engine.has_work():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            cached[out.request_id] = out.cached_tokens
+    assert [tokens[i] for i in ids] == hf_greedy(hf, batch)
+    assert tokens[ids[0]] == cold[0]
+    # The 40-token system prompt is 10 full blocks; the repeat of prompt 0 holds all but its last token.
+    assert cached[ids[0]] == 40
+    assert all(cached[i] >= 40 for i in ids[1:])
+
+
+def test_shared_prefix_blocks_are_shared_while_running(tiny) -> None:
+    _, loaded = tiny
+    engine = Engine(loaded, EngineConfig(block_size=4, num_blocks=64))
+    shared = list(range(100, 132))
+    run(engine, [[*shared, 1]])
+    a = engine.add_request([*shared, 2, 3], GREEDY)
+    b = engine.add_request([*shared, 4, 5], GREEDY)
+    engine.step()
+    seq_a, seq_b = engine._sequences[a], engine._sequences[b]
+    common = seq_a.block_table[:8]
+    assert common == seq_b.block_table[:8]
+    assert all(engine.block_manager.ref_count(block) == 2 for block in common)
+    while engine.has_work():
+        engine.step()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_abort_mid_generation_frees_blocks(tiny) -> None:
+    _, loaded = tiny
+    engine = Engine(loaded, EngineConfig(block_size=4, num_blocks=64))
+    request = engine.add_request(
+        list(range(50)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    )
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    out = engine.abort(request)
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    assert engine.block_manager.num_used_blocks == 0
+    assert not engine.has_work()
+    assert engine.abort(request) is None
+
+
+def test_stop_string_truncates_and_finishes(tiny) -> None:
+    _, loaded = tiny
+    llm = LLM(loaded, EngineConfig(block_size=4, num_blocks=128))
+    free = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
+    assert len(free.text) > 4
+    stop = free.text[2:4]
+    stopped = llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=24, stop=(stop,), ignore_eos=True)
+    )[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.index(stop)]
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_seeded_sampling_is_reproducible_across_batches(tiny) -> None:
+    _, loaded = tiny
+    llm = LLM(loaded, EngineConfig(block_size=4, num_blocks=256))
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=10, ignore_eos=True)
+    alone = llm.generate([[1, 2, 3]], seeded)[0].token_ids
+    crowd = llm.generate([[9, 9], [1, 2, 3], [4]], [GREEDY, seeded, GREEDY])[1].token_ids
+    assert alone == crowd
+    other = llm.generate(
+        [[1, 2, 3]], SamplingParams(temperature=1.0, seed=43, max_tokens=10, ignore_eos=True)
+    )
+    assert other[0].token_ids != alone
+
+
+def test_requests_that_can_never_run_fail_clearly(tiny) -> None:
+    _, loaded = tiny
+    engine = Engine(loaded, EngineConfig(block_size=4, num_blocks=8))
+    with pytest.raises(PromptTooLong, match="context window is 512 tokens"):
+        engine.add_request([1] * 600, GREEDY)
+    with pytest.raises(UnschedulableSequence, match="KV blocks"):
+        engine.add_request([1] * 100, GREEDY)
+    with pytest.raises(UnschedulableSequence, match="empty"):
+        engine.add_request([], GREEDY)
+    assert not engine.has_work()
+
+
+def test_async_streams_match_offline_and_cancel_aborts(tiny) -> None:
+    _, loaded = tiny
+    batch = prompts(len(loaded.tokenizer), lengths=(5, 20, 33))
+    offline = LLM(loaded, EngineConfig(block_size=4, num_blocks=256)).generate(batch, GREEDY)
+    engine = Engine(loaded, EngineConfig(block_size=4, num_blocks=256))
+    front = AsyncLLM(engine)
+
+    async def collect(p: list[int]) -> tuple[str, list[int]]:
+        text, ids = "", []
+        async for out in front.generate(p, GREEDY):
+            text += out.new_text
+            ids += out.new_token_ids
+        return text, ids
+
+    async def leave_early() -> int:
+        got = 0
+        stream = front.generate(
+            list(range(60)), SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        )
+        async for _ in stream:
+            got += 1
+            if got == 3:
+                break
+        await stream.aclose()
+        return got
+
+    async def main() -> list:
+        results = await asyncio.gather(*(collect(p) for p in batch), leave_early())
+        for _ in range(100):
+            stats = await front.stats()
+            if stats.running == 0 and stats.waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        return [*results, stats]
+
+    try:
+        *streams, left_after, stats = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert [(c.text, c.token_ids) for c in offline] == streams
+    assert left_after == 3
+    assert stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0

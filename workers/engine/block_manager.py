@@ -1,0 +1,230 @@
+"""The paged KV pool: which physical block holds which tokens, and which full blocks can be reused.
+
+A full, computed block is registered under its chained hash (radix.hashing), the very hash the
+gateway computes for the same tokens, so the worker's cache and the gateway's index agree by
+construction. A registered block outlives the sequences that referenced it: once its reference
+count drops to 0 it waits in an LRU list, still reusable, until its slot is needed for new tokens.
+Every registration and eviction is reported through callbacks, which become the KV events of
+DESIGN §4; replaying them yields exactly `cached_hashes()`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from radix.hashing import chain_hashes, root_hash
+from workers.engine.sequence import Sequence
+
+StoredCallback = Callable[[list[int], int | None], None]
+RemovedCallback = Callable[[list[int]], None]
+ClearedCallback = Callable[[], None]
+
+
+def _ignore(*_args: object) -> None:
+    return None
+
+
+class BlockManager:
+    """A fixed pool of `num_blocks` KV blocks of `block_size` tokens. Pure: no torch, no clock."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        model: str,
+        adapter: str = "",
+        *,
+        on_stored: StoredCallback = _ignore,
+        on_removed: RemovedCallback = _ignore,
+        on_cleared: ClearedCallback = _ignore,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.root = root_hash(model, adapter)
+        self._on_stored = on_stored
+        self._on_removed = on_removed
+        self._on_cleared = on_cleared
+        self._ref_counts = [0] * num_blocks
+        # The hash a block is registered under (None: private to its sequence, or not full yet).
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._by_hash: dict[int, int] = {}
+        # Blocks with no references and no registration, ready to hand out.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Registered blocks with no references, least recently released first: the eviction order.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    # -- counts -------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a sequence could be given now: never used, or cached but unreferenced."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._by_hash)
+
+    def cached_hashes(self) -> frozenset[int]:
+        """The registered hashes: what a consumer of the callbacks holds (the /kv/snapshot body)."""
+        return frozenset(self._by_hash)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix reuse -------------------------------------------------------------------------
+
+    def lookup(self, seq: Sequence) -> int:
+        """Tokens of `seq` a prefix-cache hit would cover now; never all of them, so that the
+        runner still computes the last token and gets the logits to sample from."""
+        return len(self._match(seq)) * self.block_size
+
+    def _match(self, seq: Sequence) -> list[int]:
+        hashes = self._hashes(seq, (seq.num_tokens - 1) // self.block_size)
+        matched: list[int] = []
+        for h in hashes:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            matched.append(block)
+        return matched
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chain hashes of the first `num_blocks` blocks of `seq`, extending its cached chain."""
+        known = seq.block_hashes
+        if len(known) < num_blocks:
+            parent = known[-1] if known else self.root
+            bs = self.block_size
+            known.extend(chain_hashes(parent, seq.token_slice(len(known) * bs, num_blocks * bs), bs))
+        return known[:num_blocks]
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def admit(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give a sequence with no blocks its cached prefix plus room for its first `num_tokens`
+        tokens, and mark the prefix computed; all or nothing, so a refusal changes no state.
+
+        The caller sizes `num_tokens` from `lookup()`; it must go past the cached prefix.
+        """
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} already holds blocks")
+        matched = self._match(seq)
+        cached = len(matched) * self.block_size
+        if not cached < num_tokens <= seq.num_tokens:
+            raise ValueError(f"admit needs {cached} < num_tokens <= {seq.num_tokens}, got {num_tokens}")
+        revived = sum(1 for b in matched if self._ref_counts[b] == 0)
+        new = self.blocks_for(num_tokens) - len(matched)
+        if new > self.num_free_blocks - revived:
+            return False
+        for b in matched:
+            if self._ref_counts[b] == 0:
+                del self._evictable[b]
+            self._ref_counts[b] += 1
+        seq.block_table = matched + self._take(new)
+        seq.num_computed_tokens = cached
+        return True
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make room for the first `num_tokens` tokens of `seq`; all or nothing."""
+        new = self.blocks_for(num_tokens) - len(seq.block_table)
+        if new <= 0:
+            return True
+        if new > self.num_free_blocks:
+            return False
+        seq.block_table.extend(self._take(new))
+        return True
+
+    def _take(self, count: int) -> list[int]:
+        """`count` blocks with one reference each: never-used ones first, then LRU evictions."""
+        taken: list[int] = []
+        evicted: list[int] = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.pop()
+            else:
+                block, _ = self._evictable.popitem(last=False)
+                h = self._block_hash[block]
+                assert h is not None
+                del self._by_hash[h]
+                self._block_hash[block] = None
+                evicted.append(h)
+            self._ref_counts[block] = 1
+            taken.append(block)
+        if evicted:
+            self._on_removed(evicted)
+        return taken
+
+    def mark_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """Record that the KV of `num_tokens` more tokens of `seq` is written, and register every
+        block this fills. A hash some other block already holds keeps its mapping: the copy stays
+        private to `seq` and no duplicate event goes out."""
+        bs = self.block_size
+        first = seq.num_computed_tokens // bs
+        seq.num_computed_tokens += num_tokens
+        if seq.num_computed_tokens > len(seq.block_table) * bs:
+            raise ValueError(f"sequence {seq.seq_id} computed past its blocks")
+        end = seq.num_computed_tokens // bs
+        if end <= first:
+            return
+        hashes = self._hashes(seq, end)
+        run: list[int] = []
+        run_parent: int | None = None
+        for i in range(first, end):
+            h = hashes[i]
+            block = seq.block_table[i]
+            if h in self._by_hash:
+                if run:
+                    self._on_stored(run, run_parent)
+                    run = []
+                continue
+            if not run:
+                run_parent = hashes[i - 1] if i else None
+            self._by_hash[h] = block
+            self._block_hash[block] = h
+            run.append(h)
+        if run:
+            self._on_stored(run, run_parent)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references (finish, abort or preemption); its KV is gone for it.
+
+        Released registered blocks join the LRU tail-first, so a prefix is evicted from its end
+        inward and the shared head of a family of prompts is the last part to go.
+        """
+        for block in reversed(seq.block_table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block]:
+                continue
+            if self._block_hash[block] is None:
+                self._free.append(block)
+            else:
+                self._evictable[block] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def reset(self) -> None:
+        """Forget every registration (a cache flush); blocks in use stay with their sequences."""
+        for block in self._by_hash.values():
+            self._block_hash[block] = None
+            if self._ref_counts[block] == 0:
+                self._free.append(block)
+        self._by_hash.clear()
+        self._evictable.clear()
+        self._on_cleared()

@@ -1,0 +1,134 @@
+"""Runs one scheduled step on the model: flattens the chunks, runs the forward pass, samples.
+
+The runner owns the model, the attention backend and the paged KV cache. It knows nothing about
+which blocks belong to whom beyond what each ScheduledChunk says; allocation is the block manager's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from workers.engine.attention import AttentionBackend, AttentionMetadata, build_metadata, select_backend
+from workers.engine.batch import ScheduledChunk, StepOutput
+from workers.engine.model import LlamaForCausalLM, ModelConfig
+from workers.engine.sampler import sample
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V of one token across all layers."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
+def num_blocks_for_budget(budget_bytes: int, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """How many KV blocks fit in `budget_bytes`."""
+    return budget_bytes // (kv_bytes_per_token(config, dtype) * block_size)
+
+
+def default_num_threads() -> int:
+    """The cores this process may run on (a container's CPU set, not the host's core count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class ModelRunner:
+    """Executes steps for one model on one device.
+
+    backend: None or "auto" (flash-attn where it can run, else SDPA), "torch_sdpa" or "flash_attn"
+    (refused with the reason when it cannot run). num_threads sets torch's CPU threads for the whole
+    process; several workers sharing a host should split its cores between them rather than each
+    take all (OpenMP threads that outnumber free cores slow every matmul down many times over).
+    generator: the source of randomness for requests without a seed.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        backend: str | None = None,
+        num_threads: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks and block_size >= 1, got {num_blocks} and {block_size}")
+        self.model = model
+        self.config = model.config
+        weight = model.model.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        if self.device.type == "cpu":
+            torch.set_num_threads(num_threads or default_num_threads())
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.attention: AttentionBackend = select_backend(
+            backend, device=self.device, dtype=self.dtype, block_size=block_size
+        )
+        self.generator = generator
+        c = self.config
+        # One allocation for the whole cache: [layers, K/V, blocks, block_size, kv_heads, head_dim].
+        # Zeroed, not empty: padded slots are masked, but a NaN there would still leak through 0 * NaN.
+        self.kv_cache = torch.zeros(
+            (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self._layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.config, self.dtype)
+
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> list[StepOutput]:
+        """Run a step; one StepOutput per chunk with sample=True, in chunk order."""
+        logits, sampled = self._run(chunks)
+        if not sampled:
+            return []
+        tokens = sample(
+            logits, [c.sampling for c in sampled], [c.num_generated for c in sampled], self.generator
+        )
+        return [
+            StepOutput(c.seq_id, t.token_id, t.logprob, t.top_logprobs)
+            for c, t in zip(sampled, tokens, strict=True)
+        ]
+
+    def compute_logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Run a step (KV written as in execute) and return the fp32 last-position logits of the chunks
+        that sample, [num_sampled, vocab], instead of sampling them."""
+        return self._run(chunks)[0]
+
+    @torch.inference_mode()
+    def _run(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        if not chunks:
+            return torch.empty(0, self.config.vocab_size), []
+        max_len = self.config.max_context_len
+        for c in chunks:
+            if c.start_pos + len(c.token_ids) > max_len:
+                raise ValueError(f"sequence {c.seq_id} would exceed the model's {max_len}-token context")
+        meta = build_metadata(
+            [c.start_pos for c in chunks],
+            [len(c.token_ids) for c in chunks],
+            [c.block_table for c in chunks],
+            self.block_size,
+            self.num_blocks,
+            self.device,
+        )
+        input_ids = torch.tensor(
+            [t for c in chunks for t in c.token_ids], dtype=torch.int64, device=self.device
+        )
+        attention = self.attention.prepare(meta, self.config.head_dim**-0.5)
+        hidden = self.model(input_ids, meta.positions, attention, self._layer_caches)
+        sampled = [c for c in chunks if c.sample]
+        last_rows = _last_rows(meta, [c.sample for c in chunks])
+        return self.model.compute_logits(hidden.index_select(0, last_rows.to(self.device))), sampled
+
+
+def _last_rows(meta: AttentionMetadata, sample: Sequence[bool]) -> torch.Tensor:
+    """Rows of the flattened batch holding the last token of each sampling chunk."""
+    rows, end = [], 0
+    for q_len, wanted in zip(meta.query_lens, sample, strict=True):
+        end += q_len
+        if wanted:
+            rows.append(end - 1)
+    return torch.tensor(rows, dtype=torch.int64)
