@@ -5,45 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import random
-from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from workers.engine.engine import Engine, EngineConfig, PromptTooLong
 from workers.engine.llm import LLM, AsyncLLM
-from workers.engine.loader import LoadedModel, convert_gguf, default_gguf_path, load_tokenizer, load_weights
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import UnschedulableSequence
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, LoadedModel]:
-    """A random 2-layer Llama over SmolLM2's tokenizer, so that text paths run on real tokens."""
-    tokenizer = load_tokenizer(convert_gguf(default_gguf_path()))
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    hf = LlamaForCausalLM(config).eval()
-    folder: Path = tmp_path_factory.mktemp("tiny-llama")
-    hf.save_pretrained(folder)
-    model = load_weights(folder)
-    return hf, LoadedModel(model, tokenizer, "tiny-llama", model.config, folder)
 
 
 def prompts(

@@ -1,0 +1,86 @@
+"""The calibrated cpu-smollm2 profile against the real engine on this machine, and calibrate's helpers.
+
+The prediction test runs the real SmolLM2 (about 15 s): the steps the real scheduler produces for a
+small workload, none of them a shape in the calibration grid, timed and compared with the profile.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from workers.engine.batch import ScheduledChunk, StepOutput
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.llm import load
+from workers.engine.sampling_params import SamplingParams
+from workers.sim.calibrate import CALIBRATION_THREADS, blocks_needed, build_chunks, describe, step_timer
+from workers.sim.cost_model import step_shape
+from workers.sim.profiles import CPU_SMOLLM2
+
+# The profile's fit error is ~10% RMS on an idle machine; the cores are shared, so leave room.
+TOLERANCE = 0.35
+
+
+def run(engine: Engine, prompts: list[list[int]], sampling: SamplingParams) -> None:
+    for prompt in prompts:
+        engine.add_request(prompt, sampling)
+    while engine.has_work():
+        engine.step()
+
+
+def test_the_calibrated_profile_predicts_the_real_engine() -> None:
+    threads = torch.get_num_threads()
+    engine = Engine(
+        load(),
+        EngineConfig(
+            block_size=CPU_SMOLLM2.block_size, backend="torch_sdpa", num_threads=CALIBRATION_THREADS
+        ),
+    )
+    steps: list[tuple[list[ScheduledChunk], float]] = []
+    execute = engine.runner.execute
+    timer = step_timer(CALIBRATION_THREADS)
+
+    def timed(chunks: Sequence[ScheduledChunk]) -> list[StepOutput]:
+        start = timer()
+        outputs = execute(chunks)
+        steps.append((list(chunks), timer() - start))
+        return outputs
+
+    engine.runner.execute = timed  # type: ignore[method-assign]
+    rng = random.Random(0)
+    prompt_a = [rng.randrange(3, 49152) for _ in range(150)]
+    prompt_b = [rng.randrange(3, 49152) for _ in range(90)]
+    # A continuation of prompt_a's first 9 blocks: a chunk that attends to a cached context.
+    prompt_c = prompt_a[:144] + [rng.randrange(3, 49152) for _ in range(40)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    try:
+        run(engine, [prompt_b[:20]], greedy)
+        steps.clear()  # that was the warm-up: first passes allocate
+        run(engine, [prompt_a, prompt_b], greedy)
+        run(engine, [prompt_c], greedy)
+    finally:
+        torch.set_num_threads(threads)
+
+    assert any(c.start_pos == 144 and len(c.token_ids) == 40 for chunks, _ in steps for c in chunks)
+    report = []
+    for kind in ("prefill", "decode"):
+        group = [(c, t) for c, t in steps if (step_shape(c).prefill_tokens > 0) == (kind == "prefill")]
+        measured = sum(t for _, t in group)
+        predicted = sum(CPU_SMOLLM2.cost.step_time(c) for c, _ in group)
+        report.append((kind, len(group), measured, predicted))
+    for kind, n, measured, predicted in report:
+        assert abs(predicted / measured - 1) < TOLERANCE, (
+            f"{kind} steps ({n}): measured {measured:.3f} s, predicted {predicted:.3f} s; all: {report}"
+        )
+
+
+def test_calibration_chunks_are_what_they_describe() -> None:
+    composition = ((512, 64), (700, 1), (700, 1))
+    chunks = build_chunks(composition, 16, 49152)
+    assert [(c.start_pos, len(c.token_ids)) for c in chunks] == list(composition)
+    assert [len(c.block_table) for c in chunks] == [36, 44, 44]
+    assert len({b for c in chunks for b in c.block_table}) == 124 == blocks_needed([composition], 16)
+    assert all(c.sample for c in chunks)
+    assert describe(composition) == "64 @ 512 + 2 x 1 @ 700"

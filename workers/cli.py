@@ -1,0 +1,128 @@
+"""`prefixgate worker`: one bundled worker process (engine + HTTP server + KV events) from its flags.
+
+Assembly is split so that other engines and transports slot in without touching the rest:
+`build_engine` makes the engine from the flags (the place for `--sim`), `build_worker` wraps it with
+its event log, and `extra_contexts` lists the app's extra start-up contexts (the place for Redis
+registration and event publishing). Heavy imports (torch, the model) happen only when a worker runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import socket
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.engine.engine import Engine, EngineConfig
+    from workers.kv_events import KVEventLog
+    from workers.server import Context, Worker
+
+DEFAULT_PORT = 8101
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: plain, or with a binary suffix (512M, 2G, 1.5GiB)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (try 268435456, 256M or 2G)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    value = int(number * 1024 ** " kmgt".index(unit or " "))
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a byte count must be positive, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="HF safetensors folder or .gguf file (default: SmolLM2)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--id", dest="worker_id", default=None, help="worker id (default: HOST:PORT)")
+    parser.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--num-blocks", type=_positive, default=None, help="KV pool size in blocks")
+    pool.add_argument("--kv-memory", type=parse_bytes, default=None, help="KV pool size in bytes (256M, 2G)")
+    parser.add_argument("--max-waiting", type=_positive, default=256, help="queued requests before 429")
+    parser.add_argument("--max-body", type=parse_bytes, default=8 * 2**20, help="largest request body (8M)")
+    parser.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences in the running batch")
+    parser.add_argument("--max-batched-tokens", type=_positive, default=2048, help="token budget per step")
+    parser.add_argument("--backend", choices=("auto", "torch_sdpa", "flash_attn"), default="auto")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from workers.engine.engine import EngineConfig
+
+    memory = {} if args.kv_memory is None else {"kv_memory_bytes": args.kv_memory}
+    return EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_num_batched_tokens=args.max_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        backend=args.backend,
+        num_threads=args.threads,
+        **memory,
+    )
+
+
+def _device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_engine(args: argparse.Namespace, events: KVEventLog) -> tuple[Engine, str]:
+    """The engine the flags describe, wired to `events`, and its backend's name for /health."""
+    from workers.engine.engine import Engine
+    from workers.engine.llm import load
+
+    engine = Engine(load(args.model, device=_device(args.device)), engine_config(args), **events.callbacks())
+    return engine, engine.runner.attention.name
+
+
+def build_worker(args: argparse.Namespace) -> Worker:
+    from workers.kv_events import KVEventLog
+    from workers.server import Worker
+
+    events = KVEventLog()
+    engine, backend = build_engine(args, events)
+    worker_id = args.worker_id or f"{socket.gethostname()}:{args.port}"
+    return Worker.around(
+        engine,
+        events,
+        worker_id=worker_id,
+        backend=backend,
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body,
+    )
+
+
+def extra_contexts(args: argparse.Namespace) -> list[Context]:
+    """Start-up contexts beyond the HTTP API; none yet (Redis registry and event stream go here)."""
+    return []
+
+
+def run(args: argparse.Namespace) -> int:
+    from workers.server import create_app, serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    worker = build_worker(args)
+    serve(create_app(worker, contexts=extra_contexts(args)), args.host, args.port)
+    return 0

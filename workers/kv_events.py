@@ -1,0 +1,204 @@
+"""KV events (DESIGN §4): the block manager's callbacks as numbered batches that an index can replay.
+
+The callbacks fire on the engine thread in the middle of a step, so they only append to a pending
+list under a lock; whoever serves readers seals that list into the next numbered batch. The log keeps
+its own mirror of the cached set, built from sealed batches alone, so a snapshot names exactly the
+sequence number it is consistent with, and nothing ever reads the block manager across threads.
+
+Wire format of a batch (JSON): `{"incarnation": str, "seq": int, "events": [event, ...]}`, where an
+event is `{"type": "stored", "hashes": [h, ...], "parent": h | null}` (hashes in prefix order; a null
+parent means the first block sits on the model's root hash), `{"type": "removed", "hashes": [...]}` or
+`{"type": "cleared"}`. Hashes are unsigned 64-bit integers. Sequence numbers start at 1 in every
+incarnation, and batch 1 is always a lone `cleared`, so a reader that sees a new incarnation starts
+from an empty set.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any, Literal
+
+EventType = Literal["stored", "removed", "cleared"]
+EVENT_TYPES: tuple[EventType, ...] = ("stored", "removed", "cleared")
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    type: EventType
+    hashes: tuple[int, ...] = ()
+    parent: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        if self.type == "stored":
+            return {"type": "stored", "hashes": list(self.hashes), "parent": self.parent}
+        if self.type == "removed":
+            return {"type": "removed", "hashes": list(self.hashes)}
+        return {"type": "cleared"}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> KVEvent:
+        kind = obj["type"]
+        if kind not in EVENT_TYPES:
+            raise ValueError(f"unknown KV event type {kind!r}")
+        return cls(kind, tuple(obj.get("hashes", ())), obj.get("parent"))
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    incarnation: str
+    seq: int
+    events: tuple[KVEvent, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "incarnation": self.incarnation,
+            "seq": self.seq,
+            "events": [e.to_json() for e in self.events],
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> EventBatch:
+        return cls(obj["incarnation"], obj["seq"], tuple(KVEvent.from_json(e) for e in obj["events"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The cached hashes after applying every batch up to and including `seq`."""
+
+    incarnation: str
+    seq: int
+    hashes: frozenset[int]
+
+
+class EventsGone(LookupError):
+    """The batches a reader asked for are not retained (too old, or from another incarnation):
+    it must resync from a snapshot."""
+
+    def __init__(self, incarnation: str, seq: int, after: int) -> None:
+        super().__init__(
+            f"batches after seq {after} are not available in incarnation {incarnation} "
+            f"(now at seq {seq}); resync from the snapshot"
+        )
+        self.incarnation = incarnation
+        self.seq = seq
+
+
+def apply_event(cached: set[int], event: KVEvent) -> None:
+    """What every consumer does with one event; the log's own mirror uses it too."""
+    if event.type == "stored":
+        cached.update(event.hashes)
+    elif event.type == "removed":
+        cached.difference_update(event.hashes)
+    else:
+        cached.clear()
+
+
+def apply_batches(cached: set[int], batches: Iterable[EventBatch]) -> None:
+    for batch in batches:
+        for event in batch.events:
+            apply_event(cached, event)
+
+
+def new_incarnation() -> str:
+    """A fresh id per process start, so a reader can tell a restarted worker from a gap."""
+    return secrets.token_hex(8)
+
+
+class KVEventLog:
+    """Pending events from the engine thread, sealed into a bounded ring of numbered batches.
+
+    Thread-safe: the `on_*` callbacks may run on any thread while another seals and reads.
+    `on_pending` (if set) is called, on the appending thread, when the first event lands in an empty
+    pending list: the server uses it to schedule a seal on its event loop, one wake-up per burst.
+    """
+
+    def __init__(
+        self,
+        incarnation: str | None = None,
+        capacity: int = 4096,
+        on_pending: Callable[[], None] | None = None,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.incarnation = incarnation or new_incarnation()
+        self.on_pending = on_pending
+        self._lock = threading.Lock()
+        self._pending: list[KVEvent] = [KVEvent("cleared")]
+        self._batches: deque[EventBatch] = deque(maxlen=capacity)
+        self._seq = 0
+        self._cached: set[int] = set()
+        self.seal()
+
+    # -- engine side (the block manager's callbacks) -------------------------------------------
+
+    def on_stored(self, hashes: list[int], parent: int | None) -> None:
+        self._append(KVEvent("stored", tuple(hashes), parent))
+
+    def on_removed(self, hashes: list[int]) -> None:
+        self._append(KVEvent("removed", tuple(hashes)))
+
+    def on_cleared(self) -> None:
+        self._append(KVEvent("cleared"))
+
+    def callbacks(self) -> dict[str, Callable[..., None]]:
+        """The keyword arguments that wire an engine (real or simulated) to this log."""
+        return {"on_stored": self.on_stored, "on_removed": self.on_removed, "on_cleared": self.on_cleared}
+
+    def _append(self, event: KVEvent) -> None:
+        with self._lock:
+            first = not self._pending
+            self._pending.append(event)
+        wake = self.on_pending
+        if first and wake is not None:
+            wake()
+
+    # -- reader side ---------------------------------------------------------------------------
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the latest sealed batch."""
+        return self._seq
+
+    def seal(self) -> EventBatch | None:
+        """Turn the pending events into the next batch; None when there were none."""
+        with self._lock:
+            if not self._pending:
+                return None
+            events, self._pending = tuple(self._pending), []
+            self._seq += 1
+            batch = EventBatch(self.incarnation, self._seq, events)
+            self._batches.append(batch)
+            for event in events:
+                apply_event(self._cached, event)
+            return batch
+
+    def after(self, seq: int, limit: int | None = None) -> list[EventBatch]:
+        """The sealed batches numbered above `seq`, oldest first (at most `limit` of them).
+
+        Raises EventsGone when some of them have left the ring, or when `seq` lies beyond the latest
+        batch (a reader still on a previous incarnation's numbers).
+        """
+        if seq < 0:
+            raise ValueError(f"seq must be >= 0, got {seq}")
+        with self._lock:
+            oldest = self._batches[0].seq
+            if seq < oldest - 1 or seq > self._seq:
+                raise EventsGone(self.incarnation, self._seq, seq)
+            start = seq - oldest + 1
+            stop = len(self._batches) if limit is None else min(len(self._batches), start + limit)
+            return list(islice(self._batches, start, stop))
+
+    @property
+    def num_cached(self) -> int:
+        """Hashes in the cached set as of the latest sealed batch."""
+        return len(self._cached)
+
+    def snapshot(self) -> Snapshot:
+        """The cached set as of the latest sealed batch (pending events are not in it)."""
+        with self._lock:
+            return Snapshot(self.incarnation, self._seq, frozenset(self._cached))

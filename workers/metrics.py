@@ -1,0 +1,101 @@
+"""The worker's Prometheus metrics, in a registry of its own per app (never the global one), so that
+several workers can live in one process (tests, the fleet simulator) without clashing.
+
+The queue and cache gauges are exported twice: under prefixgate's names and under the names vLLM
+uses, so that dashboards and load pickers written for vLLM read a prefixgate worker unchanged.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from workers.engine.scheduler import SchedulerStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# From a few ms (a cached prompt on a GPU) to minutes (a long queue on a laptop CPU).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class WorkerMetrics:
+    def __init__(self, model: str) -> None:
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.model = model
+        by_model = ("model_name",)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, by_model, registry=registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, by_model, registry=registry)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, by_model, buckets=LATENCY_BUCKETS, registry=registry)
+
+        self.requests = Counter(
+            "prefixgate_worker_requests",
+            "HTTP requests by endpoint and status code (499: the client left)",
+            ("endpoint", "status"),
+            registry=registry,
+        )
+        self.ttft = histogram(
+            "prefixgate_worker_time_to_first_token_seconds", "From request arrival to its first token"
+        )
+        self.e2e = histogram(
+            "prefixgate_worker_e2e_request_latency_seconds", "From request arrival to its end"
+        )
+        self.prompt_tokens = counter("prefixgate_worker_prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("prefixgate_worker_generation_tokens", "Generated tokens")
+        self.cache_hit_tokens = counter(
+            "prefixgate_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"
+        )
+        # Each load figure under prefixgate's name and vLLM's.
+        self._load_gauges = {
+            "running": (
+                gauge("prefixgate_worker_requests_running", "Sequences in the running batch"),
+                gauge("vllm:num_requests_running", "Sequences in the running batch"),
+            ),
+            "waiting": (
+                gauge("prefixgate_worker_requests_waiting", "Sequences waiting to be admitted"),
+                gauge("vllm:num_requests_waiting", "Sequences waiting to be admitted"),
+            ),
+            "kv_usage": (
+                gauge("prefixgate_worker_kv_cache_usage_ratio", "Fraction of KV blocks in use"),
+                gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use, 0 to 1 despite the name"),
+            ),
+        }
+        self.queued_prefill_tokens = gauge(
+            "prefixgate_worker_queued_prefill_tokens", "Prompt tokens not yet in the KV cache"
+        )
+        self.kv_blocks_used = gauge("prefixgate_worker_kv_blocks_used", "KV blocks referenced by a sequence")
+        self.kv_blocks_total = gauge("prefixgate_worker_kv_blocks_total", "KV blocks in the pool")
+        self.cached_blocks = gauge(
+            "prefixgate_worker_kv_cached_blocks", "Blocks registered in the prefix cache"
+        )
+
+    def observe_request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.labels(self.model).observe(seconds)
+
+    def observe_finished(
+        self, e2e_s: float, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+    ) -> None:
+        self.e2e.labels(self.model).observe(e2e_s)
+        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
+        self.generation_tokens.labels(self.model).inc(completion_tokens)
+        self.cache_hit_tokens.labels(self.model).inc(cached_tokens)
+
+    def set_load(self, stats: SchedulerStats, cached_blocks: int) -> None:
+        values = {"running": stats.running, "waiting": stats.waiting, "kv_usage": stats.kv_usage}
+        for key, gauges in self._load_gauges.items():
+            for gauge in gauges:
+                gauge.labels(self.model).set(values[key])
+        self.queued_prefill_tokens.labels(self.model).set(stats.queued_prefill_tokens)
+        self.kv_blocks_used.labels(self.model).set(stats.kv_blocks_used)
+        self.kv_blocks_total.labels(self.model).set(stats.kv_blocks_total)
+        self.cached_blocks.labels(self.model).set(cached_blocks)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
