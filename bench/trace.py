@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,3 +49,33 @@ def load_trace(path: str | Path, speed: float = 1.0, limit: int | None = None) -
                 raise ValueError(f"{path}:{lineno}: not a Mooncake trace record ({error})") from None
     requests.sort(key=lambda r: r.arrival_s)
     return requests
+
+
+def write_conversation_trace(
+    path: str | Path, conversations: int = 60, turns: int = 5, seed: int = 0
+) -> Path:
+    """A generated Mooncake-format trace: multi-turn chats over one shared system block, starting at
+    random times within a minute, each turn extending its chat's previous prompt by 1-4 blocks after
+    a few seconds of thought. Small, with a known structure, for tests and quick comparisons."""
+    rng = random.Random(seed)
+    rows = []
+    next_id = 1
+    for _ in range(conversations):
+        t = rng.uniform(0, 60_000)
+        history = [0]
+        for _turn in range(turns):
+            history = history + list(range(next_id, next_id + rng.randint(1, 4)))
+            next_id += 4
+            rows.append(
+                {
+                    "timestamp": int(t),
+                    "input_length": len(history) * 512 - 100,
+                    "output_length": 50,
+                    "hash_ids": history,
+                }
+            )
+            t += rng.uniform(2_000, 10_000)
+    rows.sort(key=lambda r: r["timestamp"])
+    path = Path(path)
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path

@@ -16,11 +16,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
 
-    from bench import engine, radix_speed, routing
+    from bench import engine, fleet, radix_speed, routing
 
     routing.add_arguments(bench.add_parser("routing", help="replay a trace through every policy"))
     radix_speed.add_arguments(bench.add_parser("radix", help="hashing and index-match speed and memory"))
     engine.add_arguments(bench.add_parser("engine", help="the engine against HF transformers on one machine"))
+    fleet.add_arguments(bench.add_parser("fleet", help="a trace over simulated replicas (real scheduler)"))
     return parser
 
 
@@ -31,9 +32,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return worker_cli.run(args)
     if args.command == "bench":
-        from bench import engine, radix_speed, routing
+        from bench import engine, fleet, radix_speed, routing
 
-        {"routing": routing.run, "radix": radix_speed.run, "engine": engine.run}[args.bench](args)
+        runners = {"routing": routing.run, "radix": radix_speed.run, "engine": engine.run, "fleet": fleet.run}
+        runners[args.bench](args)
     return 0
 
 

@@ -3,45 +3,18 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
 from bench.routing import pooled_hit_rate, simulate
-from bench.trace import load_trace
+from bench.trace import load_trace, write_conversation_trace
 from gateway.cli import main
 from policies import POLICY_NAMES, RoutingConfig
 
 
-def conversation_trace(path: Path, conversations: int = 60, turns: int = 5, seed: int = 0) -> Path:
-    """Multi-turn chats over one shared system block, starting at random times within a minute, each
-    turn extending its chat's previous prompt by 1-4 blocks after a few seconds of thought."""
-    rng = random.Random(seed)
-    rows = []
-    next_id = 1
-    for _ in range(conversations):
-        t = rng.uniform(0, 60_000)
-        history = [0]
-        for _turn in range(turns):
-            history = history + list(range(next_id, next_id + rng.randint(1, 4)))
-            next_id += 4
-            rows.append(
-                {
-                    "timestamp": int(t),
-                    "input_length": len(history) * 512 - 100,
-                    "output_length": 50,
-                    "hash_ids": history,
-                }
-            )
-            t += rng.uniform(2_000, 10_000)
-    rows.sort(key=lambda r: r["timestamp"])
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    return path
-
-
 def test_prefix_aware_keeps_conversations_on_their_cache(tmp_path: Path) -> None:
-    trace = load_trace(conversation_trace(tmp_path / "t.jsonl"))
+    trace = load_trace(write_conversation_trace(tmp_path / "t.jsonl"))
     capacity = 200 * 512
     results = {
         name: simulate(trace, RoutingConfig(policy=name), 4, capacity, 10_000.0) for name in POLICY_NAMES
@@ -62,7 +35,7 @@ def test_prefix_aware_keeps_conversations_on_their_cache(tmp_path: Path) -> None
 
 
 def test_pooled_bound_sees_every_repeat_with_room_enough(tmp_path: Path) -> None:
-    trace = load_trace(conversation_trace(tmp_path / "t.jsonl", conversations=6, turns=3))
+    trace = load_trace(write_conversation_trace(tmp_path / "t.jsonl", conversations=6, turns=3))
     # Every prompt's full blocks, minus its new ones, were seen before: count them directly.
     seen: set[int] = set()
     expected = 0
@@ -78,7 +51,7 @@ def test_pooled_bound_sees_every_repeat_with_room_enough(tmp_path: Path) -> None
 
 
 def test_cli_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    trace = conversation_trace(tmp_path / "t.jsonl", conversations=20, turns=3)
+    trace = write_conversation_trace(tmp_path / "t.jsonl", conversations=20, turns=3)
     out = tmp_path / "routing.json"
     main(
         [
@@ -107,7 +80,7 @@ def test_cli_writes_table_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_trace_speed_compresses_time(tmp_path: Path) -> None:
-    path = conversation_trace(tmp_path / "t.jsonl", conversations=2, turns=2)
+    path = write_conversation_trace(tmp_path / "t.jsonl", conversations=2, turns=2)
     slow, fast = load_trace(path), load_trace(path, speed=2.0)
     assert [r.arrival_s / 2 for r in slow] == [r.arrival_s for r in fast]
 

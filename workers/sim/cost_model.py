@@ -70,16 +70,30 @@ def chunk_shape(start_pos: int, num_tokens: int, sample: bool = True) -> StepSha
     sampled = int(sample)
     if num_tokens == 1:
         return StepShape(decode_seqs=1, decode_kv_tokens=start_pos + 1, sampled=sampled)
-    q = num_tokens
-    pairs = q * start_pos + q * (q + 1) // 2
-    return StepShape(prefill_tokens=q, prefill_attn_pairs=pairs, sampled=sampled)
+    return StepShape(
+        prefill_tokens=num_tokens, prefill_attn_pairs=causal_pairs(num_tokens, start_pos), sampled=sampled
+    )
+
+
+def causal_pairs(num_tokens: int, start_pos: int) -> int:
+    """(query, key) pairs of a causal chunk: each query sees the context before it and itself."""
+    return num_tokens * start_pos + num_tokens * (num_tokens + 1) // 2
 
 
 def step_shape(chunks: Iterable[ScheduledChunk]) -> StepShape:
-    total = StepShape()
+    """The sum of the chunks' shapes, summed in plain integers: the fleet simulator prices every step
+    of every replica through here, and one StepShape per chunk was most of its run time."""
+    prefill_tokens = pairs = decode_seqs = kv_tokens = sampled = 0
     for c in chunks:
-        total += chunk_shape(c.start_pos, len(c.token_ids), c.sample)
-    return total
+        q, p = len(c.token_ids), c.start_pos
+        if q == 1:
+            decode_seqs += 1
+            kv_tokens += p + 1
+        else:
+            prefill_tokens += q
+            pairs += causal_pairs(q, p)
+        sampled += c.sample
+    return StepShape(prefill_tokens, pairs, decode_seqs, kv_tokens, sampled)
 
 
 @dataclass(frozen=True, slots=True)
