@@ -17,6 +17,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 
+import numpy as np
 import xxhash
 from tqdm import tqdm
 
@@ -116,8 +117,17 @@ def run(args: argparse.Namespace) -> dict:
 
     assert block_hashes(tokens, 16, "bench") == naive_block_hashes(tokens, 16, "bench")
     compare(
-        f"hash {len(tokens)} tokens (bs 16)",
+        f"hash {len(tokens)} tokens, list input (bs 16)",
         lambda: block_hashes(tokens, 16, "bench"),
+        lambda: naive_block_hashes(tokens, 16, "bench"),
+        args.repeats,
+    )
+
+    as_array = np.array(tokens, dtype=np.uint32)
+    assert block_hashes(as_array, 16, "bench") == naive_block_hashes(tokens, 16, "bench")
+    compare(
+        f"hash {len(tokens)} tokens, numpy input (bs 16)",
+        lambda: block_hashes(as_array, 16, "bench"),
         lambda: naive_block_hashes(tokens, 16, "bench"),
         args.repeats,
     )

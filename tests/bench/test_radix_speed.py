@@ -30,7 +30,7 @@ def test_radix_bench_reports_ratios_and_memory(tmp_path: Path) -> None:
     )
     results = json.loads(out.read_text())
     timed = [r for r in results.values() if "p50_ms" in r]
-    assert len(timed) == 3
+    assert len(timed) == 4
     assert all(r["p50_ms"] > 0 and r["speedup"] > 0 for r in timed)
     # A flat dict entry plus an LRU slot: tens to a few hundred bytes, not kilobytes.
     assert 20 < results["memory"]["bytes_per_entry"] < 1000

@@ -3,6 +3,7 @@
 import random
 import struct
 
+import numpy as np
 import pytest
 import xxhash
 from hypothesis import given, settings
@@ -90,3 +91,13 @@ def test_token_ids_out_of_uint32_range_fail_loudly(bad: list[int]) -> None:
 def test_block_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="block_size"):
         block_hashes([1, 2], 0, "m")
+
+
+def test_numpy_input_hashes_like_a_list() -> None:
+    tokens = [random.Random(9).randrange(2**32) for _ in range(100)]
+    for dtype in (np.uint32, np.int64, np.uint64):
+        assert block_hashes(np.array(tokens, dtype=dtype), 16, "m") == block_hashes(tokens, 16, "m")
+    with pytest.raises(OverflowError):
+        block_hashes(np.array([-1] * 16, dtype=np.int64), 16, "m")
+    with pytest.raises(OverflowError):
+        block_hashes(np.array([2**32] * 16, dtype=np.int64), 16, "m")
