@@ -1,14 +1,16 @@
 """`prefixgate worker`: one bundled worker process (engine + HTTP server + KV events) from its flags.
 
 Assembly is split so that other engines and transports slot in without touching the rest:
-`build_engine` makes the engine from the flags (the place for `--sim`), `build_worker` wraps it with
-its event log, and `extra_contexts` lists the app's extra start-up contexts (the place for Redis
-registration and event publishing). Heavy imports (torch, the model) happen only when a worker runs.
+`build_engine` makes the engine from the flags (the model, or with `--sim` the simulated engine),
+`build_worker` wraps it with its event log, and `extra_contexts` lists the app's extra start-up
+contexts (with `--redis`, the publisher of the registry entry, KV events and load). Heavy imports
+(torch, the model) happen only when a worker runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import re
 import socket
@@ -18,8 +20,12 @@ if TYPE_CHECKING:
     from workers.engine.engine import Engine, EngineConfig
     from workers.kv_events import KVEventLog
     from workers.server import Context, Worker
+    from workers.sim.engine import SimEngine
 
 DEFAULT_PORT = 8101
+DEFAULT_BLOCK_SIZE = 16
+# Bind-all addresses: a worker bound to one of these must advertise a name others can reach.
+_ANY_HOST = ("", "0.0.0.0", "::")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -42,6 +48,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="HF safetensors folder or .gguf file (default: SmolLM2)"
@@ -49,7 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--id", dest="worker_id", default=None, help="worker id (default: HOST:PORT)")
-    parser.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--block-size",
+        type=_positive,
+        default=None,
+        help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE}, or the --sim profile's)",
+    )
     pool = parser.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=_positive, default=None, help="KV pool size in blocks")
     pool.add_argument("--kv-memory", type=parse_bytes, default=None, help="KV pool size in bytes (256M, 2G)")
@@ -61,6 +79,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
     parser.add_argument("--log-level", default="INFO")
+    sim = parser.add_argument_group("simulated engine")
+    sim.add_argument(
+        "--sim", action="store_true", help="serve a cost model instead of a model (prompts as token ids)"
+    )
+    sim.add_argument(
+        "--sim-profile",
+        default="cpu-smollm2",
+        help="built-in profile (cpu-smollm2, h100-8b) or a calibrated .json; its pool and batch limits apply",
+    )
+    redis = parser.add_argument_group("shared state in Redis")
+    redis.add_argument("--redis", default=None, metavar="URL", help="publish registry, KV events and load")
+    redis.add_argument(
+        "--advertise-url", default=None, metavar="URL", help="the URL gateways use (default http://HOST:PORT)"
+    )
+    redis.add_argument("--heartbeat", type=_seconds, default=1.0, help="registry heartbeat period (s)")
+    redis.add_argument("--load-period", type=_seconds, default=0.2, help="load report period (s)")
+    redis.add_argument(
+        "--stream-maxlen", type=_positive, default=10_000, help="KV event batches the stream keeps (about)"
+    )
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -68,7 +105,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
     memory = {} if args.kv_memory is None else {"kv_memory_bytes": args.kv_memory}
     return EngineConfig(
-        block_size=args.block_size,
+        block_size=args.block_size or DEFAULT_BLOCK_SIZE,
         num_blocks=args.num_blocks,
         max_num_batched_tokens=args.max_batched_tokens,
         max_num_seqs=args.max_num_seqs,
@@ -86,8 +123,29 @@ def _device(name: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_engine(args: argparse.Namespace, events: KVEventLog) -> tuple[Engine, str]:
+def sim_engine(args: argparse.Namespace, events: KVEventLog) -> SimEngine:
+    """The --sim engine: the profile as given, but with the pool the flags ask for, if they do."""
+    from workers.sim.engine import SimEngine
+    from workers.sim.profiles import get_profile
+
+    if args.kv_memory is not None:
+        raise SystemExit(
+            "prefixgate worker: --kv-memory does not apply to --sim; size its pool with --num-blocks"
+        )
+    try:
+        profile = get_profile(args.sim_profile)
+    except ValueError as error:
+        raise SystemExit(f"prefixgate worker: {error}") from None
+    block_size = args.block_size or profile.block_size
+    capacity = profile.kv_capacity_tokens if args.num_blocks is None else args.num_blocks * block_size
+    profile = dataclasses.replace(profile, block_size=block_size, kv_capacity_tokens=capacity)
+    return SimEngine(profile, **events.callbacks())
+
+
+def build_engine(args: argparse.Namespace, events: KVEventLog) -> tuple[Engine | SimEngine, str]:
     """The engine the flags describe, wired to `events`, and its backend's name for /health."""
+    if args.sim:
+        return sim_engine(args, events), "sim"
     from workers.engine.engine import Engine
     from workers.engine.llm import load
 
@@ -112,9 +170,27 @@ def build_worker(args: argparse.Namespace) -> Worker:
     )
 
 
+def advertise_url(args: argparse.Namespace) -> str:
+    if args.advertise_url:
+        return args.advertise_url.rstrip("/")
+    host = socket.gethostname() if args.host in _ANY_HOST else args.host
+    return f"http://[{host}]:{args.port}" if ":" in host else f"http://{host}:{args.port}"
+
+
 def extra_contexts(args: argparse.Namespace) -> list[Context]:
-    """Start-up contexts beyond the HTTP API; none yet (Redis registry and event stream go here)."""
-    return []
+    """Start-up contexts beyond the HTTP API: the Redis publisher, when --redis is given."""
+    if args.redis is None:
+        return []
+    from workers.redis_publisher import PublisherConfig, redis_context
+
+    config = PublisherConfig(
+        redis_url=args.redis,
+        advertise_url=advertise_url(args),
+        heartbeat_s=args.heartbeat,
+        load_period_s=args.load_period,
+        stream_maxlen=args.stream_maxlen,
+    )
+    return [redis_context(config)]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -330,3 +330,36 @@ def test_smollm2_cached_prefix_logits_equal_cold_run(
     )
     assert shared >= 2
     torch.testing.assert_close(warm, cold, atol=1e-4, rtol=0)
+
+
+def test_smollm2_engine_matches_hf_with_preemption_chunking_and_prefix_hits(
+    smollm2: LoadedModel, smol_reference: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    """The whole engine at once: 13-token prefill chunks, a pool half the batch needs (preemption),
+    and the chat template's shared system prompt served from the prefix cache."""
+    from unittest import mock
+
+    from workers.engine.engine import Engine, EngineConfig
+
+    prompts, expected = smol_reference
+    need = [-(-(len(p) + SMOL_NEW_TOKENS) // 16) for p in prompts]
+    config = EngineConfig(
+        block_size=16,
+        num_blocks=max(max(need), sum(need) // 2),
+        max_prefill_chunk=13,
+        max_num_batched_tokens=64,
+    )
+    engine = Engine(smollm2, config)
+    sampling = SamplingParams(temperature=0.0, max_tokens=SMOL_NEW_TOKENS)
+    with mock.patch.object(engine.scheduler, "_preempt", wraps=engine.scheduler._preempt) as preempt:
+        ids = [engine.add_request(p, sampling) for p in prompts]
+        tokens: dict[int, list[int]] = {i: [] for i in ids}
+        cached: dict[int, int] = {}
+        while engine.has_work():
+            for out in engine.step():
+                tokens[out.request_id] += out.new_token_ids
+                cached[out.request_id] = out.cached_tokens
+    assert [tokens[i] for i in ids] == expected
+    assert preempt.call_count > 0
+    assert sum(1 for i in ids if cached[i] > 0) >= 2
+    assert engine.block_manager.num_used_blocks == 0

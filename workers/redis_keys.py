@@ -1,0 +1,44 @@
+"""The Redis key names and value formats that workers write and gateways read (DESIGN §4), in one place
+so that both sides cannot drift apart.
+
+- `prefixgate:workers` (set): ids of workers that registered. Members never expire, so a reader must
+  check that the worker's hash still exists (a crashed worker leaves its id behind).
+- `prefixgate:worker:{id}` (hash, expires unless refreshed by the worker's heartbeat): the fields in
+  REGISTRY_FIELDS, every value a string (block_size, num_blocks and max_context_len are decimal).
+  `incarnation` changes at every worker start: a reader holding another one must resync.
+- `prefixgate:kv:{id}` (stream, trimmed to about the configured length): one entry per KV event batch,
+  fields `incarnation`, `seq` (decimal) and `events` (the batch's events as a JSON list, the wire
+  format of workers.kv_events). Delivery is at least once and may have holes: a reader skips entries
+  whose seq it already applied, and on a hole (the stream was trimmed, Redis restarted, or the worker
+  could not reach Redis for longer than its event ring lasts) resyncs from the worker's /kv/snapshot.
+- `prefixgate:load:{id}` (string, short expiry): JSON `{"running", "waiting", "queued_prefill_tokens",
+  "kv_blocks_used", "kv_blocks_total", "ts"}`, `ts` in Unix seconds; absent means no recent report.
+"""
+
+from __future__ import annotations
+
+PREFIX = "prefixgate"
+WORKERS = f"{PREFIX}:workers"
+REGISTRY_FIELDS = (
+    "id",
+    "url",
+    "model",
+    "block_size",
+    "num_blocks",
+    "max_context_len",
+    "backend",
+    "incarnation",
+)
+LOAD_FIELDS = ("running", "waiting", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_total", "ts")
+
+
+def worker_key(worker_id: str) -> str:
+    return f"{PREFIX}:worker:{worker_id}"
+
+
+def kv_stream_key(worker_id: str) -> str:
+    return f"{PREFIX}:kv:{worker_id}"
+
+
+def load_key(worker_id: str) -> str:
+    return f"{PREFIX}:load:{worker_id}"
