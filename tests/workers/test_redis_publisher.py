@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import httpx
 import pytest
 import redis
 
-from tests.conftest import free_port
+from tests.conftest import free_port, start_redis_server
 from tests.workers.conftest import ServerThread
 from workers.kv_events import EventBatch, KVEventLog, apply_batches
 from workers.redis_keys import WORKERS, kv_stream_key, load_key, worker_key
@@ -289,34 +288,6 @@ def test_d_load_reports_follow_running_requests(r: redis.Redis, start: StartWork
     assert 0 < r.pttl(key) <= 1000
 
 
-def start_redis(port: int, workdir: Path) -> subprocess.Popen[bytes]:
-    binary = shutil.which("redis-server")
-    assert binary is not None
-    args = [
-        "--port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--dir",
-        str(workdir),
-        "--save",
-        "",
-        "--appendonly",
-        "no",
-    ]
-    proc = subprocess.Popen([binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_until(lambda: _pings(port), what="redis-server")
-    return proc
-
-
-def _pings(port: int) -> bool:
-    with redis.Redis(port=port) as client:
-        try:
-            return bool(client.ping())
-        except redis.ConnectionError:
-            return False
-
-
 def test_the_worker_serves_through_a_redis_outage_and_publishes_once_it_returns(
     start: StartWorker, tmp_path: Path
 ) -> None:
@@ -327,7 +298,7 @@ def test_the_worker_serves_through_a_redis_outage_and_publishes_once_it_returns(
         worker.complete(list(range(4000 + i, 4012 + i)), max_tokens=2)
     assert httpx.get(f"{worker.url}/load").json()["kv_blocks_total"] == 64
     assert time.monotonic() - began < 3, "Redis being down slowed requests"
-    proc = start_redis(port, tmp_path)
+    proc = start_redis_server(port, tmp_path)
     try:
         back = redis.Redis(port=port, decode_responses=True)
         wait_until(lambda: back.exists(worker_key("w-outage")), what="re-registration")
