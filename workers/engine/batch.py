@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from workers.engine.sampling_params import SamplingParams
 
@@ -35,3 +37,9 @@ class StepOutput:
     # log p(token) and the top alternatives as (token id, log p), when sampling.logprobs is set.
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+
+
+class Runner(Protocol):
+    """What runs a step: the model (ModelRunner) or a cost model (workers.sim.SimRunner)."""
+
+    def execute(self, chunks: Sequence[ScheduledChunk]) -> list[StepOutput]: ...

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.engine.batch import Runner
 from workers.engine.block_manager import BlockManager
-from workers.engine.detokenizer import Detokenizer
+from workers.engine.detokenizer import Decoder, Detokenizer
 from workers.engine.loader import LoadedModel
 from workers.engine.model_runner import ModelRunner, num_blocks_for_budget
 from workers.engine.sampling_params import SamplingParams
@@ -60,32 +61,43 @@ class PromptTooLong(ValueError):
     """The prompt plus max_tokens does not fit the model's context window: a client error."""
 
 
+StoredCallback = Callable[[list[int], int | None], None]
+RemovedCallback = Callable[[list[int]], None]
+ClearedCallback = Callable[[], None]
+
+
+def kv_callbacks(
+    on_stored: StoredCallback | None, on_removed: RemovedCallback | None, on_cleared: ClearedCallback | None
+) -> dict[str, Callable]:
+    """The block manager's KV-event callbacks that were given (it keeps its no-op for the rest)."""
+    given = (("on_stored", on_stored), ("on_removed", on_removed), ("on_cleared", on_cleared))
+    return {name: fn for name, fn in given if fn is not None}
+
+
 class Engine:
+    """One engine loop over a scheduler and a runner; this constructor runs a loaded model, and the
+    simulated engine (workers.sim) gives the same loop a cost-model runner instead."""
+
     def __init__(
         self,
         loaded: LoadedModel,
         config: EngineConfig | None = None,
         *,
-        on_stored: Callable[[list[int], int | None], None] | None = None,
-        on_removed: Callable[[list[int]], None] | None = None,
-        on_cleared: Callable[[], None] | None = None,
+        on_stored: StoredCallback | None = None,
+        on_removed: RemovedCallback | None = None,
+        on_cleared: ClearedCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config = config or EngineConfig()
-        self.model_name = loaded.name
-        self.tokenizer = loaded.tokenizer
         self.model_config = loaded.config
         weight = loaded.model.model.embed_tokens.weight
         num_blocks = config.num_blocks or num_blocks_for_budget(
             config.kv_memory_bytes, loaded.config, config.block_size, weight.dtype
         )
-        callbacks = {
-            name: fn
-            for name, fn in (("on_stored", on_stored), ("on_removed", on_removed), ("on_cleared", on_cleared))
-            if fn is not None
-        }
-        self.block_manager = BlockManager(num_blocks, config.block_size, loaded.name, **callbacks)
-        self.scheduler = Scheduler(
+        block_manager = BlockManager(
+            num_blocks, config.block_size, loaded.name, **kv_callbacks(on_stored, on_removed, on_cleared)
+        )
+        scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
@@ -93,10 +105,10 @@ class Engine:
                 max_prefill_chunk=config.max_prefill_chunk,
                 eos_token_ids=loaded.config.eos_token_ids,
             ),
-            self.block_manager,
+            block_manager,
         )
         generator = torch.Generator(device=weight.device).manual_seed(config.seed)
-        self.runner = ModelRunner(
+        runner = ModelRunner(
             loaded.model,
             num_blocks=num_blocks,
             block_size=config.block_size,
@@ -105,13 +117,28 @@ class Engine:
             generator=generator,
         )
         self.clock = clock
+        self._attach(loaded.name, loaded.tokenizer, loaded.config.max_context_len, scheduler, runner, clock)
+
+    def _attach(
+        self,
+        model_name: str,
+        tokenizer: Decoder | None,
+        max_context_len: int,
+        scheduler: Scheduler,
+        runner: Runner,
+        now: Callable[[], float],
+    ) -> None:
+        """The state the loop drives, whatever runs its steps."""
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.max_context_len = max_context_len
+        self.scheduler = scheduler
+        self.block_manager = scheduler.block_manager
+        self.runner = runner
+        self._now = now
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
         self._detokenizers: dict[int, Detokenizer] = {}
-
-    @property
-    def max_context_len(self) -> int:
-        return self.model_config.max_context_len
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> int:
         """Queue a request; raises PromptTooLong or UnschedulableSequence for one that can never run."""
@@ -122,7 +149,7 @@ class Engine:
                 f"{needed} ({len(prompt_token_ids)} in the prompt + {sampling.max_tokens} max_tokens)"
             )
         request_id = next(self._ids)
-        seq = Sequence(request_id, list(prompt_token_ids), sampling, arrival_time=self.clock())
+        seq = Sequence(request_id, list(prompt_token_ids), sampling, arrival_time=self._now())
         self.scheduler.add(seq)
         self._sequences[request_id] = seq
         self._detokenizers[request_id] = Detokenizer(stop=sampling.stop)
@@ -136,29 +163,32 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, and return a delta for every request that got a token."""
-        chunks = self.scheduler.schedule(self.clock())
+        chunks = self.scheduler.schedule(self._now())
         if not chunks:
             return []
         outputs = self.runner.execute(chunks)
-        changed = self.scheduler.update(chunks, outputs, self.clock())
+        changed = self.scheduler.update(chunks, outputs, self._now())
         return [self._delta(seq) for seq in changed]
 
     def abort(self, request_id: int) -> RequestOutput | None:
         """Stop a request now and free its KV blocks; None when it had already finished."""
-        seq = self.scheduler.abort(request_id, self.clock())
+        seq = self.scheduler.abort(request_id, self._now())
         if seq is None:
             return None
         return self._delta(seq, new_token=False)
 
+    def _text(self, seq: Sequence) -> str:
+        """The text the latest token adds; a stop string that completes here finishes the sequence."""
+        detok = self._detokenizers[seq.seq_id]
+        text = detok.update(self.tokenizer, seq.output_token_ids, final=seq.is_finished)
+        if detok.stopped and not seq.is_finished:
+            self.scheduler.finish(seq.seq_id, "stop", self._now())
+        return text
+
     def _delta(self, seq: Sequence, new_token: bool = True) -> RequestOutput:
         """The delta of a step: the sequence's latest token (each step adds at most one) and its text."""
-        detok = self._detokenizers[seq.seq_id]
         new_ids = seq.output_token_ids[-1:] if new_token else []
-        text = ""
-        if new_ids:
-            text = detok.update(self.tokenizer, seq.output_token_ids, final=seq.is_finished)
-            if detok.stopped and not seq.is_finished:
-                self.scheduler.finish(seq.seq_id, "stop", self.clock())
+        text = self._text(seq) if new_ids else ""
         logprobs = None
         if new_ids and seq.sampling.logprobs is not None and seq.output_logprobs:
             last = seq.output_logprobs[-1]
