@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 from aiohttp import web
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.llm import load
@@ -177,3 +177,24 @@ def smollm2_worker() -> Iterator[RunningWorker]:
     running, server = start_worker(load(), EngineConfig(block_size=16, num_blocks=128))
     yield running
     server.stop()
+
+
+def hf_greedy(
+    model: PreTrainedModel, prompts: Sequence[list[int]], max_new: int, ignore_eos: bool = False
+) -> list[list[int]]:
+    """The HF reference: one unpadded sequence at a time, so padding never enters HF's numbers;
+    `ignore_eos` generates exactly `max_new` tokens whatever comes out."""
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new if ignore_eos else None,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(p) :].tolist())
+    return outs

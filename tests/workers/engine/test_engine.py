@@ -8,9 +8,8 @@ import random
 from unittest import mock
 
 import pytest
-import torch
-from transformers import LlamaForCausalLM
 
+from tests.workers.conftest import hf_greedy
 from workers.engine.engine import Engine, EngineConfig, PromptTooLong
 from workers.engine.llm import LLM, AsyncLLM
 from workers.engine.sampling_params import SamplingParams
@@ -25,23 +24,6 @@ def prompts(
 ) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def hf_greedy(hf: LlamaForCausalLM, batch: list[list[int]]) -> list[list[int]]:
-    outs = []
-    with torch.inference_mode():
-        for p in batch:
-            ids = torch.tensor([p])
-            gen = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                min_new_tokens=MAX_NEW,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
 
 
 def run(engine: Engine, batch: list[list[int]], sampling: SamplingParams = GREEDY) -> dict[int, list[int]]:
@@ -65,7 +47,7 @@ CASES = {
 def test_greedy_matches_hf_generate(tiny, case: str, batch_size: int) -> None:
     hf, loaded = tiny
     batch = prompts(len(loaded.tokenizer))
-    expected = hf_greedy(hf, batch)
+    expected = hf_greedy(hf, batch, MAX_NEW, ignore_eos=True)
     engine = Engine(loaded, CASES[case])
     with mock.patch.object(engine.scheduler, "_preempt", wraps=engine.scheduler._preempt) as preempt:
         got = []
@@ -91,7 +73,7 @@ def test_prefix_cache_hits_keep_outputs_and_report_cached_tokens(tiny) -> None:
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
             cached[out.request_id] = out.cached_tokens
-    assert [tokens[i] for i in ids] == hf_greedy(hf, batch)
+    assert [tokens[i] for i in ids] == hf_greedy(hf, batch, MAX_NEW, ignore_eos=True)
     assert tokens[ids[0]] == cold[0]
     # The 40-token system prompt is 10 full blocks; the repeat of prompt 0 holds all but its last token.
     assert cached[ids[0]] == 40

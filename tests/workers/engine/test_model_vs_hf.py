@@ -26,6 +26,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from tests.workers.conftest import hf_greedy
 from workers.engine.batch import ScheduledChunk
 from workers.engine.loader import LoadedModel, load_default_model, load_weights
 from workers.engine.model_runner import ModelRunner
@@ -98,23 +99,6 @@ def fresh_seqs(prompts: Sequence[list[int]], blocks_per_seq: int) -> list[_Seq]:
         _Seq(i, list(p), list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
         for i, p in enumerate(prompts)
     ]
-
-
-def hf_greedy(model: PreTrainedModel, prompts: Sequence[list[int]], max_new: int) -> list[list[int]]:
-    """The reference: one unpadded sequence at a time, so padding never enters HF's numbers."""
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, len(p) :].tolist())
-    return outs
 
 
 def run_three_ways(
