@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TRACE ?= ../shared/traces/mooncake/conversation_trace.jsonl
 OUT ?= out
 
-.PHONY: demo test lint bench-radix redis-server clean
+.PHONY: demo test lint bench-radix bench-fleet redis-server clean
 
 # The torch pin comes first: it is the CPU build on this machine's disk, and installing it before
 # the project keeps any dependency from pulling a multi-GB CUDA build.
@@ -35,10 +35,13 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The main job until the live fleet lands: every policy replayed over the Mooncake conversation trace.
+# The main job: a gateway and two SmolLM2 workers on this machine, answering through the openai client.
 demo: $(VENV)/.installed
-	$(VENV)/bin/prefixgate bench routing --trace $(TRACE) --replicas 8 --capacity-tokens 1000000 \
-	  --json $(OUT)/bench_routing.json
+	$(VENV)/bin/prefixgate up --workers 2
+
+bench-fleet: $(VENV)/.installed
+	$(VENV)/bin/prefixgate bench fleet --trace $(TRACE) --replicas 8 --profile h100-8b --speed 2.5 \
+	  --json $(OUT)/fleet.json
 
 bench-radix: $(VENV)/.installed
 	$(VENV)/bin/prefixgate bench radix --json $(OUT)/bench_radix.json

@@ -10,17 +10,21 @@ decisions alone, with a TTL and each replica's capacity (approximate mode).
 from __future__ import annotations
 
 import argparse
-import functools
 import heapq
+import multiprocessing
+import os
 import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from bench.report import bar_panels, format_table, write_json
-from bench.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_trace
+from bench.trace import TraceRequest, load_trace, prompt_tokens
 from policies import POLICY_NAMES, ReplicaView, RouteRequest, RoutingConfig, build_policy
 from radix import RadixIndex, block_hashes
 from workers.engine.batch import StepOutput
@@ -31,17 +35,6 @@ from workers.sim.profiles import Profile, get_profile
 from workers.sim.runner import VirtualClock
 
 MODES = ("precise", "approximate")
-
-
-@functools.lru_cache(maxsize=65_536)
-def trace_block_tokens(hash_id: int, vocab_size: int) -> np.ndarray:
-    """The 512 tokens a Mooncake hash id stands for: fixed per id, so shared ids share tokens."""
-    return np.random.default_rng(hash_id).integers(0, vocab_size, MOONCAKE_BLOCK_TOKENS, dtype=np.int64)
-
-
-def prompt_tokens(request: TraceRequest, vocab_size: int) -> list[int]:
-    blocks = [trace_block_tokens(h, vocab_size) for h in request.hash_ids]
-    return np.concatenate(blocks)[: request.input_length].tolist()
 
 
 def nominal_prefill_rate(profile: Profile) -> float:
@@ -95,7 +88,7 @@ def simulate(
     replicas: int,
     mode: str = "precise",
     prediction_ttl_s: float = 300.0,
-    progress: bool = False,
+    on_request_done: Callable[[], None] | None = None,
 ) -> FleetResult:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -114,7 +107,7 @@ def simulate(
     busy: list[tuple[float, int]] = []
     pending = iter(trace)
     nxt = next(pending, None)
-    bar = tqdm(total=len(trace), desc=f"{routing.policy}/{mode}", disable=not progress, leave=False)
+    done = on_request_done or (lambda: None)
 
     def run_step(r: _Replica) -> None:
         """One engine step on the replica's clock: the SimEngine's scheduler and runner, without the
@@ -134,7 +127,7 @@ def simulate(
                 cached_total += seq.num_cached_tokens
             if seq.is_finished:
                 del r.arrivals[seq.seq_id]
-                bar.update()
+                done()
 
     while nxt is not None or busy:
         if busy and (nxt is None or busy[0][0] <= nxt.arrival_s):
@@ -180,7 +173,7 @@ def simulate(
             rid = chosen.engine.add_request(tokens, sampling)
         except ValueError:
             rejected += 1
-            bar.update()
+            done()
             continue
         chosen.arrivals[rid] = now
         chosen.served += 1
@@ -189,7 +182,6 @@ def simulate(
             index.insert(chosen.id, hashes, expires_at=now + prediction_ttl_s)
         if idle:
             heapq.heappush(busy, (chosen.clock.now(), fleet.index(chosen)))
-    bar.close()
     end = max(r.clock.now() for r in fleet)
     counts = [r.served for r in fleet]
     ordered = sorted(ttfts)
@@ -224,29 +216,66 @@ def pooled_hit_rate(trace: list[TraceRequest], profile: Profile, replicas: int) 
     return cached / max(total, 1)
 
 
+# Requests finished across every job of a run, for the one progress bar the parent draws.
+_finished: Synchronized | None = None
+
+
+def _init_job(counter: Synchronized) -> None:
+    global _finished
+    _finished = counter
+
+
+def _count_one() -> None:
+    assert _finished is not None
+    with _finished.get_lock():
+        _finished.value += 1
+
+
+def _run_job(
+    trace: list[TraceRequest], policy: str, mode: str, profile: Profile, replicas: int
+) -> FleetResult:
+    return simulate(trace, RoutingConfig(policy=policy), profile, replicas, mode, on_request_done=_count_one)
+
+
+def jobs_of(policies: list[str], modes: list[str]) -> list[tuple[str, str]]:
+    """(policy, mode) pairs to simulate: approximate mode changes only what prefix_aware reads."""
+    return [(p, m) for m in modes for p in policies if m == "precise" or p == "prefix_aware"]
+
+
 def run(args: argparse.Namespace) -> dict:
     profile = get_profile(args.profile)
     trace = load_trace(args.trace, speed=args.speed, limit=args.limit)
+    jobs = jobs_of(args.policies or list(POLICY_NAMES), args.modes)
+    workers = max(1, min(len(jobs), args.workers or os.cpu_count() or 1))
+    # Each job is one single-threaded simulation: processes, one per core, run them side by side.
+    counter = multiprocessing.get_context("fork").Value("q", 0)
+    with ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_job, initargs=(counter,)
+    ) as pool:
+        futures = {job: pool.submit(_run_job, trace, *job, profile, args.replicas) for job in jobs}
+        desc = f"{len(jobs)} simulations on {workers} processes"
+        with tqdm(total=len(trace) * len(jobs), desc=desc) as bar:
+            while not all(f.done() for f in futures.values()):
+                time.sleep(0.5)
+                bar.update(counter.value - bar.n)
+            bar.update(counter.value - bar.n)
+        outcomes = {job: f.result() for job, f in futures.items()}
     results: dict[str, dict[str, float]] = {}
     rows = []
-    for mode in args.modes:
-        for name in args.policies or POLICY_NAMES:
-            if mode == "approximate" and name != "prefix_aware":
-                continue  # only prefix_aware reads the index; the others route the same in both modes
-            result = simulate(trace, RoutingConfig(policy=name), profile, args.replicas, mode, progress=True)
-            key = name if mode == "precise" else f"{name}_{mode}"
-            results[key] = result.summary()
-            rows.append(
-                [
-                    key,
-                    result.hit_rate,
-                    result.ttft_mean_s,
-                    result.ttft_p50_s,
-                    result.ttft_p99_s,
-                    result.throughput_tok_s,
-                    result.imbalance,
-                ]
-            )
+    for (name, mode), result in outcomes.items():
+        key = name if mode == "precise" else f"{name}_{mode}"
+        results[key] = result.summary()
+        rows.append(
+            [
+                key,
+                result.hit_rate,
+                result.ttft_mean_s,
+                result.ttft_p50_s,
+                result.ttft_p99_s,
+                result.throughput_tok_s,
+                result.imbalance,
+            ]
+        )
     pooled = pooled_hit_rate(trace, profile, args.replicas)
     rows.append(["pooled bound", pooled, "", "", "", "", ""])
     title = (
@@ -258,7 +287,15 @@ def run(args: argparse.Namespace) -> dict:
             title, ["policy", "hit rate", "TTFT mean s", "p50 s", "p99 s", "out tok/s", "imbalance"], rows
         )
     )
-    payload = {"policies": results, "pooled_bound": {"hit_rate": pooled}}
+    payload = {
+        "trace": str(args.trace),
+        "requests": len(trace),
+        "replicas": args.replicas,
+        "profile": profile.name,
+        "speed": args.speed,
+        "policies": results,
+        "pooled_bound": {"hit_rate": pooled},
+    }
     if args.json:
         write_json(args.json, payload)
         bar_panels(
@@ -283,4 +320,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--policies", nargs="*", choices=POLICY_NAMES, default=None)
     parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
     parser.add_argument("--json", default=None)

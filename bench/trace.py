@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -22,6 +25,17 @@ class TraceRequest:
     def full_blocks(self) -> tuple[int, ...]:
         """The cacheable blocks: a partial trailing block is never cached (DESIGN §3)."""
         return self.hash_ids[: self.input_length // MOONCAKE_BLOCK_TOKENS]
+
+
+@functools.lru_cache(maxsize=65_536)
+def trace_block_tokens(hash_id: int, vocab_size: int) -> np.ndarray:
+    """The 512 tokens a Mooncake hash id stands for: fixed per id, so shared ids share tokens."""
+    return np.random.default_rng(hash_id).integers(0, vocab_size, MOONCAKE_BLOCK_TOKENS, dtype=np.int64)
+
+
+def prompt_tokens(request: TraceRequest, vocab_size: int) -> list[int]:
+    blocks = [trace_block_tokens(h, vocab_size) for h in request.hash_ids]
+    return np.concatenate(blocks)[: request.input_length].tolist()
 
 
 def load_trace(path: str | Path, speed: float = 1.0, limit: int | None = None) -> list[TraceRequest]:

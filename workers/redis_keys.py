@@ -13,12 +13,18 @@ so that both sides cannot drift apart.
   could not reach Redis for longer than its event ring lasts) resyncs from the worker's /kv/snapshot.
 - `prefixgate:load:{id}` (string, short expiry): JSON `{"running", "waiting", "queued_prefill_tokens",
   "kv_blocks_used", "kv_blocks_total", "ts"}`, `ts` in Unix seconds; absent means no recent report.
+- `prefixgate:predictions` (stream, trimmed to about the configured length): written by gateways, not
+  workers. One entry per routing decision to a backend that publishes no KV events (approximate mode),
+  fields `gateway` (the writer's id, so it can skip its own), `replica` (a worker id), `expires_at`
+  (Unix seconds, a decimal float) and `hashes` (the request's block hashes as a JSON list). Every gateway
+  inserts the others' entries into its index with that expiry, so all of them predict the same cache.
 """
 
 from __future__ import annotations
 
 PREFIX = "prefixgate"
 WORKERS = f"{PREFIX}:workers"
+PREDICTIONS = f"{PREFIX}:predictions"
 REGISTRY_FIELDS = (
     "id",
     "url",

@@ -269,6 +269,11 @@ async def _first_output(outs: AsyncIterator[RequestOutput]) -> RequestOutput:
         raise _engine_failed(error) from None
 
 
+# Prompt tokens served from the prefix cache, known at the first token: the gateway reads it from the
+# headers instead of parsing the stream for the usage chunk.
+CACHED_TOKENS_HEADER = "x-prefixgate-cached-tokens"
+
+
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     rt = request.app[RUNTIME]
     worker = rt.worker
@@ -327,7 +332,10 @@ async def _collect(
     _observe_finished(rt, out, arrival)
     usage = usage_json(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
     wanted = logprobs if gen.logprobs is not None else None
-    return web.json_response(shaper.response("".join(text), out.finish_reason, usage, wanted))
+    return web.json_response(
+        shaper.response("".join(text), out.finish_reason, usage, wanted),
+        headers={CACHED_TOKENS_HEADER: str(out.cached_tokens)},
+    )
 
 
 async def _stream(
@@ -341,7 +349,12 @@ async def _stream(
 ) -> web.StreamResponse:
     """Server-sent events, headers sent once the first token exists (so refusals are still 4xx)."""
     response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            CACHED_TOKENS_HEADER: str(out.cached_tokens),
+        }
     )
     await response.prepare(request)
     try:

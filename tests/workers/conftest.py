@@ -49,22 +49,23 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, Lo
 
 class ServerThread:
     """An aiohttp app served on 127.0.0.1 by an event loop of its own, in a background thread, with
-    the settings `prefixgate worker` uses (handler cancellation on disconnect)."""
+    the settings `prefixgate worker` uses (handler cancellation on disconnect). `port` 0 picks a free
+    one; a fixed one lets a test restart a worker where its clients expect it."""
 
-    def __init__(self, app: web.Application) -> None:
+    def __init__(self, app: web.Application, port: int = 0) -> None:
         self.app = app
         self.loop = asyncio.new_event_loop()
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2)
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="test-server", daemon=True)
         self._error: BaseException | None = None
-        self.port = 0
+        self.port = port
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            site = web.TCPSite(self._runner, "127.0.0.1", self.port)
             self.loop.run_until_complete(site.start())
             self.port = self._runner.addresses[0][1]
         except BaseException as error:

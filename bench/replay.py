@@ -1,0 +1,446 @@
+"""`prefixgate bench replay`: open-loop load against any OpenAI-compatible endpoint (the gateway, one of
+our workers, vLLM, SGLang), with TTFT, inter-token latency, cache hit rate and the replica spread.
+
+Open loop: each request leaves at its scheduled time whether or not earlier ones have finished. A
+closed loop (N users waiting on their answers) slows down with the server and so hides the queueing
+that latency under load is about. Prompts are token ids, which both the gateway and the simulated
+workers accept, so no tokenizer runs on either side of the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+from tqdm import tqdm
+
+from bench.report import bar_panels, format_table, write_json
+from bench.trace import TraceRequest, load_trace, prompt_tokens
+
+# The gateway names the replica that served a request here; a worker talked to directly does not.
+REPLICA_HEADER = "x-prefixgate-replica"
+DIRECT = "direct"
+# Generated token ids stay clear of the low ids where tokenizers keep their special tokens (BOS, EOS,
+# chat markers) and below every vocabulary the simulated profiles use.
+TOKEN_LOW, TOKEN_HIGH = 1000, 30000
+PERCENTILES = (50, 90, 99)
+# After the last send, how much longer than one request's timeout the stragglers get: enough that a
+# request sent last meets its own timeout (counted as such) before the drain gives up on it.
+DRAIN_GRACE_S = 1.0
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    token_ids: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    at_s: float  # seconds after the replay starts
+    prompt: Prompt
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request that streamed to its end."""
+
+    ttft_s: float
+    itl_s: tuple[float, ...]
+    e2e_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    replica: str
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    url: str
+    sent: int
+    # From the first scheduled send to the last completion: the span throughput is measured over.
+    elapsed_s: float
+    records: list[RequestRecord] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def completed(self) -> int:
+        return len(self.records)
+
+    def summary(self) -> dict[str, Any]:
+        records = self.records
+        prompt = sum(r.prompt_tokens for r in records)
+        span = max(self.elapsed_s, 1e-9)
+        return {
+            "url": self.url,
+            "sent": self.sent,
+            "completed": self.completed,
+            "errors": dict(sorted(self.errors.items())),
+            "ttft_s": latency_stats([r.ttft_s for r in records]),
+            "itl_s": latency_stats([x for r in records for x in r.itl_s]),
+            "e2e_s": latency_stats([r.e2e_s for r in records]),
+            "hit_rate": sum(r.cached_tokens for r in records) / prompt if prompt else 0.0,
+            "requests_per_replica": dict(sorted(Counter(r.replica for r in records).items())),
+            "throughput_req_s": self.completed / span,
+            "output_tok_s": sum(r.output_tokens for r in records) / span,
+            "elapsed_s": self.elapsed_s,
+        }
+
+
+def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
+    """Mean and tail percentiles; None when nothing was measured (a zero would read as instant)."""
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    array = np.asarray(values)
+    points = np.percentile(array, PERCENTILES)
+    return {
+        "mean": float(array.mean()),
+        **{f"p{p}": float(v) for p, v in zip(PERCENTILES, points, strict=True)},
+    }
+
+
+# -- workloads ---------------------------------------------------------------------------------------
+
+
+def shared_prefix_workload(
+    groups: int, prompts: int, system_len: int, question_len: int, output_len: int, seed: int = 0
+) -> list[Prompt]:
+    """`groups` x `prompts` distinct prompts, group by group: each group's system prompt followed by
+    one of its questions. A group's tokens depend only on (seed, group), so adding groups keeps the
+    existing ones and two runs with one seed send byte-identical prompts."""
+    if min(groups, prompts, output_len) < 1 or min(system_len, question_len) < 0:
+        raise ValueError("groups, prompts and output_len must be >= 1, system_len and question_len >= 0")
+    if system_len + question_len < 1:
+        raise ValueError("a prompt needs at least one token: system_len + question_len must be >= 1")
+    workload = []
+    for group in range(groups):
+        rng = np.random.default_rng([seed, group])
+        system = rng.integers(TOKEN_LOW, TOKEN_HIGH, system_len).tolist()
+        for _ in range(prompts):
+            question = rng.integers(TOKEN_LOW, TOKEN_HIGH, question_len).tolist()
+            workload.append(Prompt(tuple(system + question), output_len))
+    return workload
+
+
+def poisson_times(rate: float, duration_s: float, rng: np.random.Generator) -> list[float]:
+    """Send times of a Poisson process at `rate` per second, within [0, duration_s)."""
+    if rate <= 0:
+        raise ValueError(f"rate must be positive, got {rate}")
+    times = []
+    t = rng.exponential(1 / rate)
+    while t < duration_s:
+        times.append(float(t))
+        t += rng.exponential(1 / rate)
+    return times
+
+
+def shared_prefix_arrivals(
+    prompts: Sequence[Prompt], rate: float, duration_s: float, seed: int = 0
+) -> list[Arrival]:
+    """Poisson arrivals, each asking a (group, question) pair drawn uniformly at random."""
+    rng = np.random.default_rng(seed)
+    times = poisson_times(rate, duration_s, rng)
+    picks = rng.integers(len(prompts), size=len(times))
+    return [Arrival(t, prompts[i]) for t, i in zip(times, picks, strict=True)]
+
+
+def trace_prompt(request: TraceRequest, vocab_size: int, max_prompt_tokens: int) -> Prompt:
+    """The request's expanded tokens, cut so that a small (CPU, simulated) worker can hold them."""
+    return Prompt(
+        tuple(prompt_tokens(request, vocab_size)[:max_prompt_tokens]), max(request.output_length, 1)
+    )
+
+
+def trace_arrivals(
+    trace: Sequence[TraceRequest],
+    duration_s: float,
+    *,
+    rate: float | None = None,
+    seed: int = 0,
+    vocab_size: int = 32000,
+    max_prompt_tokens: int = 4000,
+) -> list[Arrival]:
+    """The trace's requests in order, at their own times relative to the first (load_trace has applied
+    the speed) or, given a rate, at Poisson times; only those due within `duration_s` are expanded."""
+    if not trace:
+        return []
+    if rate is None:
+        times = [r.arrival_s - trace[0].arrival_s for r in trace]
+    else:
+        times = poisson_times(rate, duration_s, np.random.default_rng(seed))
+    return [
+        Arrival(t, trace_prompt(r, vocab_size, max_prompt_tokens))
+        for t, r in zip(times, trace, strict=False)
+        if t < duration_s
+    ]
+
+
+# -- the load generator ------------------------------------------------------------------------------
+
+
+class _Failed(Exception):
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+async def discover_model(session: aiohttp.ClientSession, url: str) -> str | None:
+    """The first model `GET /v1/models` lists, or None when the endpoint cannot say."""
+    try:
+        async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as response:
+            if response.status == 200:
+                models = (await response.json()).get("data") or []
+                if models:
+                    return str(models[0]["id"])
+            log.warning("GET %s/v1/models answered %s with no model", url, response.status)
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as error:
+        log.warning("GET %s/v1/models failed: %s", url, error or type(error).__name__)
+    return None
+
+
+async def _stream_one(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout: aiohttp.ClientTimeout
+) -> RequestRecord:
+    """One streamed completion, timed from when it is sent; raises _Failed with the kind of failure."""
+    start = time.perf_counter()
+    chunk_times: list[float] = []
+    usage: dict[str, Any] = {}
+    async with session.post(f"{url}/v1/completions", json=body, timeout=timeout) as response:
+        if response.status != 200:
+            raise _Failed(f"http_{response.status}")
+        replica = response.headers.get(REPLICA_HEADER, DIRECT)
+        async for line in response.content:
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            now = time.perf_counter()
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise _Failed("stream_error")
+            choices = chunk.get("choices")
+            if choices and choices[0].get("text"):
+                chunk_times.append(now)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    end = time.perf_counter()
+    if not chunk_times:
+        raise _Failed("no_output")
+    details = usage.get("prompt_tokens_details") or {}
+    return RequestRecord(
+        ttft_s=chunk_times[0] - start,
+        itl_s=tuple(b - a for a, b in itertools.pairwise(chunk_times)),
+        e2e_s=end - start,
+        prompt_tokens=int(usage.get("prompt_tokens", len(body["prompt"]))),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        output_tokens=int(usage.get("completion_tokens", len(chunk_times))),
+        replica=replica,
+    )
+
+
+def _failure_kind(error: BaseException) -> str:
+    # Order matters: aiohttp's timeouts are ClientErrors too, and connection refusals are OSErrors.
+    if isinstance(error, _Failed):
+        return error.kind
+    if isinstance(error, TimeoutError):
+        return "timeout"
+    if isinstance(error, aiohttp.ClientConnectorError):
+        return "connect"
+    if isinstance(error, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
+        return "disconnect"
+    if isinstance(error, aiohttp.ClientError):
+        return "client_error"
+    return "bad_stream"  # ValueError: a data line that is not JSON
+
+
+async def replay(
+    url: str,
+    arrivals: Sequence[Arrival],
+    *,
+    model: str | None = None,
+    api_key: str = "none",
+    concurrency_limit: int = 512,
+    timeout_s: float = 120.0,
+    progress: bool = True,
+) -> ReplayResult:
+    """Send every arrival at its time (open loop) and measure each streamed answer.
+
+    `model` None asks `GET /v1/models`; when that fails the requests name no model, which servers of
+    one model accept and others answer with an error that is counted. At most `concurrency_limit`
+    requests are in flight; later ones wait for a slot and are timed from when they leave. Each
+    request gets `timeout_s`; after the last send, those still waiting or running get about as long
+    in all, then count as "unfinished". Failures are counted by kind in `errors`, never raised.
+    """
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"}
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    connector = aiohttp.TCPConnector(limit=concurrency_limit)
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+        if model is None:
+            model = await discover_model(session, url)
+        slots = asyncio.Semaphore(concurrency_limit)
+        records: list[RequestRecord] = []
+        errors: Counter[str] = Counter()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        last_end = start
+        bar = tqdm(total=len(arrivals), desc=f"replay {url}", unit="req", disable=not progress)
+
+        async def one(prompt: Prompt) -> None:
+            nonlocal last_end
+            body: dict[str, Any] = {
+                "prompt": list(prompt.token_ids),
+                "max_tokens": prompt.max_tokens,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            if model is not None:
+                body["model"] = model
+            async with slots:
+                try:
+                    records.append(await _stream_one(session, url, body, timeout))
+                except (_Failed, aiohttp.ClientError, TimeoutError, ValueError) as error:
+                    errors[_failure_kind(error)] += 1
+            last_end = max(last_end, loop.time())
+            bar.update()
+            if errors:
+                bar.set_postfix(errors=errors.total(), refresh=False)
+
+        tasks = []
+        for arrival in arrivals:
+            delay = start + arrival.at_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(arrival.prompt)))
+        if tasks:
+            _, unfinished = await asyncio.wait(tasks, timeout=timeout_s + DRAIN_GRACE_S)
+            for task in unfinished:
+                task.cancel()
+            await asyncio.gather(*unfinished, return_exceptions=True)
+            if unfinished:
+                errors["unfinished"] += len(unfinished)
+        bar.close()
+    return ReplayResult(url, len(tasks), last_end - start, records, errors)
+
+
+# -- command line ------------------------------------------------------------------------------------
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 5:
+        raise argparse.ArgumentTypeError(
+            f"expected groups,prompts,system_len,question_len,output_len (five integers), got {text!r}"
+        )
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", required=True, help="base URL of an OpenAI-compatible server")
+    workload = parser.add_mutually_exclusive_group(required=True)
+    workload.add_argument("--trace", default=None, help="Mooncake-format JSONL trace")
+    workload.add_argument(
+        "--shared-prefix",
+        type=_shape,
+        default=None,
+        metavar="G,P,S,Q,O",
+        help="G groups of P questions: S system tokens, Q question tokens, O output tokens",
+    )
+    parser.add_argument(
+        "--rate", type=float, default=None, help="requests/s, Poisson (with --trace: instead of its times)"
+    )
+    parser.add_argument("--duration", type=float, required=True, help="seconds of sending")
+    parser.add_argument("--json", default=None, help="write the summary here, and a PNG next to it")
+    parser.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    parser.add_argument("--api-key", default=None, help="default: $PREFIXGATE_API_KEY or 'none'")
+    parser.add_argument("--speed", type=float, default=1.0, help="trace time compression (2 = twice as fast)")
+    parser.add_argument("--limit", type=int, default=None, help="send at most N requests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--concurrency-limit", type=int, default=512, help="most requests in flight")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request, and to drain")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="trace token ids are drawn below this")
+    parser.add_argument("--max-prompt-tokens", type=int, default=4000, help="cut trace prompts to this")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.duration <= 0:
+        raise SystemExit("prefixgate bench replay: --duration must be positive")
+    if args.shared_prefix is not None:
+        if args.rate is None:
+            raise SystemExit("prefixgate bench replay: --shared-prefix needs --rate")
+        workload = "shared-prefix " + ",".join(map(str, args.shared_prefix))
+        prompts = shared_prefix_workload(*args.shared_prefix, seed=args.seed)
+        arrivals = shared_prefix_arrivals(prompts, args.rate, args.duration, args.seed)
+    else:
+        trace = load_trace(args.trace, speed=args.speed, limit=args.limit)
+        workload = f"trace {Path(args.trace).name}"
+        arrivals = trace_arrivals(
+            trace,
+            args.duration,
+            rate=args.rate,
+            seed=args.seed,
+            vocab_size=args.vocab_size,
+            max_prompt_tokens=args.max_prompt_tokens,
+        )
+    arrivals = arrivals[: args.limit]
+    result = asyncio.run(
+        replay(
+            args.url,
+            arrivals,
+            model=args.model,
+            api_key=args.api_key or os.environ.get("PREFIXGATE_API_KEY", "none"),
+            concurrency_limit=args.concurrency_limit,
+            timeout_s=args.timeout,
+        )
+    )
+    payload = {"workload": workload, "rate": args.rate, "duration_s": args.duration, **result.summary()}
+    rate = f"{args.rate:g} req/s" if args.rate else f"its own times at speed {args.speed:g}"
+    title = f"replay: {workload}, {rate} for {args.duration:g} s against {result.url}"
+    print(_tables(title, payload))
+    if args.json:
+        write_json(args.json, payload)
+        bar_panels(Path(args.json).with_suffix(".png"), title, _panels(payload))
+    return payload
+
+
+_LATENCIES = (("TTFT s", "ttft_s"), ("ITL s", "itl_s"), ("E2E s", "e2e_s"))
+
+
+def _tables(title: str, p: dict[str, Any]) -> str:
+    stats = ["mean", *(f"p{q}" for q in PERCENTILES)]
+    latency = [[name, *("-" if p[key][s] is None else p[key][s] for s in stats)] for name, key in _LATENCIES]
+    errors = ", ".join(f"{k}={v}" for k, v in p["errors"].items()) or "0"
+    totals = [[p["sent"], p["completed"], errors, p["hit_rate"], p["throughput_req_s"], p["output_tok_s"]]]
+    replicas = [[r, n] for r, n in p["requests_per_replica"].items()]
+    tables = [
+        format_table(title, ["latency", *stats], latency),
+        format_table("totals", ["sent", "completed", "errors", "hit rate", "req/s", "out tok/s"], totals),
+    ]
+    if replicas:
+        tables.append(format_table("requests per replica", ["replica", "requests"], replicas))
+    return "\n\n".join(tables)
+
+
+def _panels(p: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
+    panels = [(name, {s: v for s, v in p[key].items() if v is not None}) for name, key in _LATENCIES]
+    return [*panels, ("requests per replica", {r: float(n) for r, n in p["requests_per_replica"].items()})]

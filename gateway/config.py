@@ -1,0 +1,158 @@
+"""The gateway's YAML configuration (DESIGN §5), validated up front with errors that name the key.
+
+Secrets never live in the file: it names the environment variables that hold the API keys and the
+admin token, so the same YAML serves every environment and a reload (SIGHUP) picks up rotated keys.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from policies import ConfigError, RoutingConfig
+from policies.config import format_validation_error
+
+ReplicaKind = Literal["auto", "bundled", "openai"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Listen(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class Auth(_Section):
+    # Comma-separated bearer keys for /v1/*; with neither set the API is open (local use).
+    api_keys_env: str | None = None
+    admin_token_env: str | None = None
+    # Send the client's Authorization header on to the replica (for backends that check keys too).
+    forward_client_key: bool = False
+    # A key of the gateway's own for foreign backends that require one (the env var holding it).
+    upstream_key_env: str | None = None
+
+
+class RedisSection(_Section):
+    url: str
+    # How often the replica registry and load reports are read.
+    poll_interval_s: float = Field(0.5, gt=0)
+
+
+class ReplicaEntry(_Section):
+    url: str
+    # Id for routing and metrics; bundled workers announce theirs, others default to host:port.
+    id: str | None = None
+    # "auto": a bundled worker when its /health says so, an OpenAI server otherwise.
+    kind: ReplicaKind = "auto"
+    # The model a foreign backend serves (default: the first of its /v1/models).
+    model: str | None = None
+    # A foreign backend's KV block size and cache capacity, for approximate mode's predictions.
+    block_size: int = Field(16, ge=1)
+    capacity_blocks: int = Field(65_536, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return url.rstrip("/")
+
+
+class ModelEntry(_Section):
+    # "default": SmolLM2's tokenizer (DESIGN §6); a HF folder path; or "none" (token-id prompts only).
+    tokenizer: str = "default"
+
+
+class Limits(_Section):
+    max_body_bytes: int = Field(8 * 2**20, ge=1024)
+    # Whole request, upstream included; streaming responses reset it at every chunk.
+    request_timeout_s: float = Field(600.0, gt=0)
+    connect_timeout_s: float = Field(2.0, gt=0)
+    # Replicas tried for one request before giving up (the policy's order, then fallbacks).
+    max_attempts: int = Field(2, ge=1)
+
+
+class Health(_Section):
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    # Consecutive failed checks (or failed forwards) before a replica stops receiving traffic.
+    failures: int = Field(2, ge=1)
+    # Embedded mode: how often each bundled worker's /load is read.
+    load_interval_s: float = Field(0.25, gt=0)
+
+
+class Approximate(_Section):
+    # How long a routing decision is believed to stay in a foreign backend's cache.
+    ttl_s: float = Field(300.0, gt=0)
+
+
+class Learning(_Section):
+    # Prefill rate assumed before any TTFT is observed, and the EWMA weight of each observation.
+    prefill_rate_prior: float = Field(10_000.0, gt=0)
+    ewma_alpha: float = Field(0.2, gt=0, le=1)
+    # Only TTFTs of requests that prefilled at least this many tokens teach the rate.
+    min_prefill_tokens: int = Field(64, ge=1)
+
+
+class GatewayConfig(_Section):
+    # The default model's name: requests that name no model go there when several are served.
+    model: str | None = None
+    models: dict[str, ModelEntry] = {}
+    listen: Listen = Listen()
+    auth: Auth = Auth()
+    redis: RedisSection | None = None
+    replicas: list[ReplicaEntry] = []
+    routing: RoutingConfig = RoutingConfig()
+    limits: Limits = Limits()
+    health: Health = Health()
+    approximate: Approximate = Approximate()
+    learning: Learning = Learning()
+    # Names this gateway in shared predictions and logs (default: host:port).
+    gateway_id: str | None = None
+
+    def api_keys(self) -> frozenset[str]:
+        return frozenset(_secret_list(self.auth.api_keys_env))
+
+    def admin_token(self) -> str | None:
+        tokens = _secret_list(self.auth.admin_token_env)
+        return tokens[0] if tokens else None
+
+    def upstream_key(self) -> str | None:
+        keys = _secret_list(self.auth.upstream_key_env)
+        return keys[0] if keys else None
+
+    def tokenizer_for(self, model: str) -> str:
+        entry = self.models.get(model)
+        return entry.tokenizer if entry is not None else "default"
+
+
+def _secret_list(env: str | None) -> list[str]:
+    if env is None:
+        return []
+    return [part.strip() for part in os.environ.get(env, "").split(",") if part.strip()]
+
+
+def parse_config(data: dict[str, Any] | None) -> GatewayConfig:
+    try:
+        return GatewayConfig.model_validate(data or {})
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, "gateway")) from None
+
+
+def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
+    file = Path(path)
+    try:
+        data = yaml.safe_load(file.read_text())
+    except OSError as error:
+        raise ConfigError(f"cannot read the gateway config {file}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{file} is not valid YAML: {error}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{file} must hold a mapping at the top level")
+    return parse_config(data)

@@ -1,0 +1,250 @@
+"""The gateway's live state and its background work: replicas joining and leaving, health, load,
+the index kept in sync, and config reloads.
+
+Everything here runs on one asyncio loop, which is what makes the index, the replica set and the
+policy safe to share without locks. Replicas come from three places — the YAML list, the Redis
+registry and the admin API — and all go through `activate` and `deactivate`, so the index, the KV
+sync and the metrics always agree on who exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from redis.asyncio import Redis
+
+from gateway.config import GatewayConfig, ReplicaEntry
+from gateway.discovery import Probe, ProbeFailed, fetch_load, probe, read_registry
+from gateway.kv_sync import IndexSync
+from gateway.metrics import GatewayMetrics
+from gateway.predictions import Predictions
+from gateway.replicas import Replica, ReplicaSet, Source
+from gateway.tokenizers import Tokenizers
+from policies import Policy, build_policy
+from radix import RadixIndex
+
+log = logging.getLogger("prefixgate.gateway")
+
+# Predicted and exact entries together stay under this many (hash, replica) pairs.
+INDEX_MAX_ENTRIES = 4_000_000
+
+
+@dataclass
+class Gateway:
+    config: GatewayConfig
+    gateway_id: str
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    replicas: ReplicaSet = field(default_factory=ReplicaSet)
+    index: RadixIndex = field(default_factory=lambda: RadixIndex(INDEX_MAX_ENTRIES))
+    # Static and admin-added entries not yet answering (probed every health interval).
+    pending: dict[str, tuple[ReplicaEntry, Source]] = field(default_factory=dict)
+    policy: Policy = field(init=False)
+    session: aiohttp.ClientSession = field(init=False)
+    redis: Redis | None = field(init=False, default=None)
+    sync: IndexSync = field(init=False)
+    predictions: Predictions = field(init=False)
+    tokenizers: Tokenizers = field(init=False)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.policy = build_policy(self.config.routing)
+        self.tokenizers = Tokenizers({name: m.tokenizer for name, m in self.config.models.items()})
+
+    @property
+    def approximate_everywhere(self) -> bool:
+        """`prefix_aware.mode: approximate` predicts every replica's cache, even bundled ones'."""
+        return self.config.routing.prefix_aware.mode == "approximate"
+
+    def precise(self, replica: Replica) -> bool:
+        return replica.kind == "bundled" and not self.approximate_everywhere
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        limits = self.config.limits
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, connect=limits.connect_timeout_s),
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+            auto_decompress=False,
+        )
+        if self.config.redis is not None:
+            self.redis = Redis.from_url(self.config.redis.url, decode_responses=True)
+        self.sync = IndexSync(self.index, self.session, self.redis)
+        self.predictions = Predictions(
+            self.index, ttl_s=self.config.approximate.ttl_s, redis=self.redis, gateway_id=self.gateway_id
+        )
+        self.predictions.start()
+        for entry in self.config.replicas:
+            self.pending[entry.url] = (entry, "config")
+        await self._probe_pending()
+        self._spawn(self._health_loop, self.config.health.interval_s)
+        if self.redis is not None:
+            self._spawn(self._registry_loop, self.config.redis.poll_interval_s)
+        else:
+            self._spawn(self._load_loop, self.config.health.load_interval_s)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.sync.close()
+        await self.predictions.close()
+        await self.session.close()
+        if self.redis is not None:
+            await self.redis.aclose()
+        self.tokenizers.close()
+
+    def _spawn(self, step: Callable[[], Awaitable[None]], period_s: float) -> None:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(period_s)
+                try:
+                    await step()
+                except Exception:
+                    log.exception("background step %s failed; retrying next period", step.__name__)
+
+        self._tasks.append(asyncio.create_task(loop(), name=step.__name__))
+
+    # -- replicas -----------------------------------------------------------------------------
+
+    def activate(self, found: Probe, source: Source) -> Replica:
+        replica = Replica(
+            id=found.id,
+            url=found.url,
+            kind=found.kind,
+            model=found.model,
+            block_size=found.block_size,
+            capacity_blocks=found.capacity_blocks,
+            max_context_len=found.max_context_len,
+            source=source,
+            prefill_rate=self.config.learning.prefill_rate_prior,
+            max_waiting=found.max_waiting,
+            incarnation=found.incarnation,
+        )
+        self.replicas.add(replica)
+        precise = self.precise(replica)
+        self.index.add_replica(replica.id, capacity_blocks=None if precise else replica.capacity_blocks)
+        if precise:
+            self.sync.start(replica.id, replica.url)
+        log.info(
+            "replica %s joined: %s %s at %s (%s)",
+            replica.id,
+            replica.kind,
+            replica.model,
+            replica.url,
+            source,
+        )
+        return replica
+
+    async def deactivate(self, replica_id: str) -> Replica | None:
+        replica = self.replicas.remove(replica_id)
+        if replica is None:
+            return None
+        self.sync.stop(replica_id)
+        self.index.drop_replica(replica_id)
+        self.metrics.forget_replica(replica_id, replica.model)
+        log.info("replica %s left", replica_id)
+        return replica
+
+    async def add_entry(self, entry: ReplicaEntry, source: Source) -> Replica | None:
+        """Probe a replica and activate it; if it does not answer yet, keep probing it."""
+        try:
+            found = await probe(self.session, entry, self.config.health.timeout_s)
+        except ProbeFailed as error:
+            log.warning("replica %s is not answering yet: %s", entry.url, error)
+            self.pending[entry.url] = (entry, source)
+            return None
+        self.pending.pop(entry.url, None)
+        existing = self.replicas.get(found.id) or self.replicas.by_url(found.url)
+        if existing is not None:
+            return existing
+        return self.activate(found, source)
+
+    async def _probe_pending(self) -> None:
+        await asyncio.gather(*(self.add_entry(entry, src) for entry, src in list(self.pending.values())))
+
+    def mark_failure(self, replica: Replica) -> None:
+        replica.failures += 1
+        if replica.failures >= self.config.health.failures and replica.healthy:
+            replica.healthy = False
+            log.warning("replica %s is unhealthy after %d failures", replica.id, replica.failures)
+
+    async def _check(self, replica: Replica) -> None:
+        entry = ReplicaEntry(url=replica.url, id=replica.id, kind=replica.kind, model=replica.model)
+        try:
+            found = await probe(self.session, entry, self.config.health.timeout_s)
+        except ProbeFailed:
+            self.mark_failure(replica)
+            return
+        if not replica.healthy:
+            log.info("replica %s is healthy again", replica.id)
+        replica.failures = 0
+        replica.healthy = True
+        replica.incarnation = found.incarnation
+        replica.max_waiting = found.max_waiting
+
+    async def _health_loop(self) -> None:
+        await asyncio.gather(self._probe_pending(), *(self._check(r) for r in self.replicas.all()))
+
+    async def _load_loop(self) -> None:
+        async def one(replica: Replica) -> None:
+            # A silent replica keeps its last report: the health check decides what silence means.
+            with contextlib.suppress(ProbeFailed):
+                replica.report = await fetch_load(self.session, replica.url, self.config.health.timeout_s)
+
+        await asyncio.gather(*(one(r) for r in self.replicas.all() if r.kind == "bundled"))
+
+    async def _registry_loop(self) -> None:
+        assert self.redis is not None
+        registered = await read_registry(self.redis)
+        live = set()
+        for item in registered:
+            live.add(item.probe.id)
+            replica = self.replicas.get(item.probe.id) or self.replicas.by_url(item.probe.url)
+            if replica is None:
+                replica = self.activate(item.probe, "registry")
+            if item.load is not None and item.load.at > replica.report.at:
+                replica.report = item.load
+        for replica in self.replicas.all():
+            if replica.source == "registry" and replica.id not in live:
+                await self.deactivate(replica.id)
+
+    async def reload(self, config: GatewayConfig) -> None:
+        """Apply a new config without dropping requests in flight: they hold their replica objects,
+        and removed replicas only stop receiving new requests."""
+        self.config = config
+        self.policy = build_policy(config.routing)
+        self.tokenizers.close()
+        self.tokenizers = Tokenizers({name: m.tokenizer for name, m in config.models.items()})
+        urls = {e.url for e in config.replicas}
+        for replica in self.replicas.all():
+            if replica.source == "config" and replica.url not in urls:
+                await self.deactivate(replica.id)
+        for url, (_, source) in list(self.pending.items()):
+            if source == "config" and url not in urls:
+                del self.pending[url]
+        for entry in config.replicas:
+            if self.replicas.by_url(entry.url) is None:
+                self.pending[entry.url] = (entry, "config")
+        await self._probe_pending()
+        log.info("configuration reloaded: %d replicas, policy %s", len(self.replicas), self.policy.name)
+
+    def refresh_metrics(self) -> None:
+        m = self.metrics
+        m.index_entries.set(len(self.index))
+        for r in self.replicas.all():
+            m.replica_healthy.labels(r.id, r.model).set(1 if r.routable else 0)
+            m.replica_inflight.labels(r.id).set(len(r.inflight))
+            m.replica_prefill_rate.labels(r.id).set(r.prefill_rate)
+        for rid, state in self.sync.states.items():
+            m.sync_lag.labels(rid).set(state.lag_s())
+            m.sync_resyncs.labels(rid).set(state.resyncs)
+
+    def now(self) -> float:
+        return time.monotonic()

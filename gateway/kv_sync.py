@@ -1,0 +1,437 @@
+"""Keeps the gateway's RadixIndex exact for its bundled workers by replaying their KV events (DESIGN §4).
+
+One follower task per replica applies the worker's event batches in sequence order, read either from
+Redis (the stream `prefixgate:kv:{id}`, shared by every gateway) or, in the embedded mode without
+Redis, from the worker itself over HTTP (the /kv/events long-poll). Whatever either transport cannot
+account for (a late start, a gap, an unknown incarnation) it settles the same way: the worker's
+/kv/snapshot replaces the replica's entries and names the sequence number it is consistent with, so
+following resumes right after it.
+
+Everything runs on the gateway's event loop, as does the routing that reads the index: a batch or a
+resync is applied between two awaits, so a lookup never sees half of one. A follower never gives up:
+failures are kept in its state and retried with bounded backoff, and only cancellation ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+from redis.asyncio import Redis
+
+from radix.index import RadixIndex
+from workers.kv_events import EventBatch
+from workers.redis_keys import kv_stream_key
+
+log = logging.getLogger("prefixgate.gateway.sync")
+
+Transport = Literal["http", "redis"]
+
+# How long one /kv/events long-poll waits for a batch, and the extra allowed for the reply itself.
+POLL_TIMEOUT_S = 10.0
+POLL_SLACK_S = 5.0
+# XREAD BLOCK per call; must stay below the Redis client's socket timeout, or an idle stream reads as
+# an outage.
+BLOCK_MS = 1000
+# Stream entries per XREAD: bounds one read's work on the event loop after a backlog.
+READ_COUNT = 256
+# A snapshot holds every cached hash of a worker: allow it time, but not a hung connect.
+SNAPSHOT_TIMEOUT = aiohttp.ClientTimeout(total=30.0, sock_connect=5.0)
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 2.0
+# Incarnations seen to end: their late stream entries (a stopping worker flushes its last batches) are
+# skipped instead of each one setting off a resync.
+RETIRED_INCARNATIONS = 8
+
+
+@dataclass(slots=True)
+class SyncState:
+    """Where one replica's follower stands, for metrics and the admin API. Times are Unix seconds."""
+
+    replica: str
+    url: str
+    transport: Transport
+    # The worker incarnation and the last batch of it that the index reflects; None before the first
+    # snapshot.
+    incarnation: str | None = None
+    seq: int = 0
+    batches_applied: int = 0
+    # Snapshot loads, the first one included.
+    resyncs: int = 0
+    errors: int = 0
+    last_applied_at: float | None = None
+    # When the oldest change that the index does not reflect yet happened (see lag_s); None when the
+    # follower is caught up.
+    behind_since: float | None = None
+    # The latest failure, while it lasts: None again once a read succeeds.
+    last_error: str | None = None
+    # Redis only: the id of the last stream entry consumed; None until following starts.
+    stream_id: str | None = None
+
+    @property
+    def synced(self) -> bool:
+        return self.incarnation is not None
+
+    def lag_s(self, now: float | None = None) -> float:
+        """How stale the index may be for this replica: 0 when the last read left nothing pending;
+        otherwise the age of the oldest change not applied yet: the stream entry's time (Redis),
+        when a poll found a backlog (HTTP), or the first failure of an outage."""
+        if self.behind_since is None:
+            return 0.0
+        return max(0.0, (time.time() if now is None else now) - self.behind_since)
+
+    def to_json(self, now: float | None = None) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "url": self.url,
+            "transport": self.transport,
+            "synced": self.synced,
+            "incarnation": self.incarnation,
+            "seq": self.seq,
+            "batches_applied": self.batches_applied,
+            "resyncs": self.resyncs,
+            "errors": self.errors,
+            "last_applied_at": self.last_applied_at,
+            "lag_s": round(self.lag_s(now), 3),
+            "last_error": self.last_error,
+        }
+
+
+class Backoff:
+    """Bounded exponential retry delays, reset by a success."""
+
+    def __init__(self, first_s: float = RETRY_FIRST_S, most_s: float = RETRY_MAX_S) -> None:
+        self.first_s = first_s
+        self.most_s = most_s
+        self.delay = 0.0
+
+    def failed(self) -> float:
+        self.delay = min(self.most_s, max(self.first_s, 2 * self.delay))
+        return self.delay
+
+    def succeeded(self) -> None:
+        self.delay = 0.0
+
+
+# -- applying ---------------------------------------------------------------------------------------
+
+
+def apply_batch(index: RadixIndex, replica: str, batch: EventBatch) -> None:
+    for event in batch.events:
+        if event.type == "stored":
+            index.insert(replica, event.hashes)
+        elif event.type == "removed":
+            index.remove(replica, event.hashes)
+        else:
+            index.clear(replica)
+
+
+def _apply(state: SyncState, index: RadixIndex, batch: EventBatch) -> None:
+    apply_batch(index, state.replica, batch)
+    state.seq = batch.seq
+    state.batches_applied += 1
+    state.last_applied_at = time.time()
+
+
+async def resync(state: SyncState, index: RadixIndex, session: aiohttp.ClientSession) -> None:
+    """Replace the replica's entries with the worker's snapshot; following resumes after its seq."""
+    async with session.get(f"{state.url.rstrip('/')}/kv/snapshot", timeout=SNAPSHOT_TIMEOUT) as response:
+        response.raise_for_status()
+        snap = await response.json()
+    # Read every field before touching the index, so a malformed reply leaves it as it was.
+    hashes, incarnation, seq = snap["hashes"], str(snap["incarnation"]), int(snap["seq"])
+    index.clear(state.replica)
+    index.insert(state.replica, hashes)
+    state.incarnation, state.seq = incarnation, seq
+    state.resyncs += 1
+
+
+def _failed(state: SyncState, backoff: Backoff, error: Exception) -> float:
+    """Record a failure; the delay before the next attempt. Logs once per outage, not per attempt."""
+    if backoff.delay == 0.0:
+        log.warning(
+            "kv sync: replica %s (%s, %s) failed: %r; retrying with backoff",
+            state.replica,
+            state.transport,
+            state.url,
+            error,
+        )
+    state.errors += 1
+    state.last_error = f"{type(error).__name__}: {error}"
+    if state.behind_since is None:
+        state.behind_since = time.time()
+    return backoff.failed()
+
+
+def _recovered(state: SyncState, backoff: Backoff) -> None:
+    if backoff.delay:
+        log.info("kv sync: replica %s follows again", state.replica)
+    backoff.succeeded()
+    state.last_error = None
+
+
+# -- HTTP transport ---------------------------------------------------------------------------------
+
+
+async def follow_http(
+    state: SyncState,
+    index: RadixIndex,
+    session: aiohttp.ClientSession,
+    *,
+    poll_timeout_s: float = POLL_TIMEOUT_S,
+    retry_max_s: float = RETRY_MAX_S,
+) -> None:
+    """Follow the worker's /kv/events long-poll until cancelled.
+
+    A state never synced starts from the snapshot (a gateway that starts late must hold the current
+    set); one that was followed before resumes after its seq. A 410 (the worker's ring moved past
+    that seq, or the worker restarted as a new incarnation) resyncs.
+    """
+    backoff = Backoff(most_s=retry_max_s)
+    while True:
+        try:
+            if not state.synced:
+                await resync(state, index, session)
+            await _poll(state, index, session, poll_timeout_s)
+        except Exception as error:
+            await asyncio.sleep(_failed(state, backoff, error))
+            continue
+        _recovered(state, backoff)
+
+
+async def _poll(
+    state: SyncState, index: RadixIndex, session: aiohttp.ClientSession, timeout_s: float
+) -> None:
+    asked = time.time()
+    params = {"after": state.seq, "timeout": timeout_s, "incarnation": str(state.incarnation)}
+    timeout = aiohttp.ClientTimeout(
+        total=timeout_s + POLL_SLACK_S, sock_connect=SNAPSHOT_TIMEOUT.sock_connect
+    )
+    async with session.get(f"{state.url.rstrip('/')}/kv/events", params=params, timeout=timeout) as response:
+        gone = response.status == 410
+        if not gone:
+            response.raise_for_status()
+            body = await response.json()
+    if gone:
+        state.behind_since = state.behind_since or asked
+        await resync(state, index, session)
+        state.behind_since = None
+        return
+    for raw in body["batches"]:
+        batch = EventBatch.from_json(raw)
+        if batch.incarnation != state.incarnation or batch.seq != state.seq + 1:
+            log.warning("kv sync: replica %s sent batch %d out of order; resyncing", state.replica, batch.seq)
+            await resync(state, index, session)
+            return
+        _apply(state, index, batch)
+    # A reply cut at the server's limit leaves a backlog, which the next poll takes at once.
+    state.behind_since = None if int(body["seq"]) <= state.seq else (state.behind_since or asked)
+
+
+# -- Redis transport --------------------------------------------------------------------------------
+
+
+def _text(value: str | bytes) -> str:
+    """Clients with and without decode_responses both work."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def entry_time(entry_id: str) -> float:
+    """When Redis added a stream entry (its id's millisecond part), in Unix seconds."""
+    return int(entry_id.split("-", 1)[0]) / 1000
+
+
+async def stream_tail(redis: Redis, key: str) -> str:
+    """The id of the stream's newest entry ("0-0" when it has none). Reading after it misses nothing
+    added from now on, unlike XREAD's "$", which means "newest" anew at every call."""
+    newest = await redis.xrevrange(key, count=1)
+    return _text(newest[0][0]) if newest else "0-0"
+
+
+async def read_stream(
+    redis: Redis, key: str, after: str, count: int, block_ms: int
+) -> list[tuple[str, Mapping[str, str]]]:
+    """Up to `count` entries after `after`, waiting up to `block_ms` for one; ids and fields as text."""
+    reply = await redis.xread({key: after}, count=count, block=block_ms)
+    return [
+        (_text(entry_id), {_text(k): _text(v) for k, v in fields.items()})
+        for _, entries in reply
+        for entry_id, fields in entries
+    ]
+
+
+def _batch(fields: Mapping[str, str]) -> EventBatch:
+    return EventBatch.from_json(
+        {
+            "incarnation": fields["incarnation"],
+            "seq": int(fields["seq"]),
+            "events": json.loads(fields["events"]),
+        }
+    )
+
+
+async def follow_redis(
+    state: SyncState,
+    index: RadixIndex,
+    redis: Redis,
+    session: aiohttp.ClientSession,
+    *,
+    block_ms: int = BLOCK_MS,
+    count: int = READ_COUNT,
+    retry_max_s: float = RETRY_MAX_S,
+) -> None:
+    """Follow the worker's stream in Redis until cancelled; snapshots still come over HTTP.
+
+    A state never followed notes the stream's newest entry, then loads the snapshot, then reads after
+    that entry: whatever lands between the two is read and, where the snapshot covers it already, skipped
+    by its seq. One that was followed before resumes after its last entry. A Redis that restarted
+    empty, or a trimmed stream, shows as a hole in the seqs and resyncs; a new incarnation's batch 1
+    (a lone `cleared`) just starts it afresh.
+    """
+    key = kv_stream_key(state.replica)
+    backoff = Backoff(most_s=retry_max_s)
+    retired: deque[str] = deque(maxlen=RETIRED_INCARNATIONS)
+    while True:
+        try:
+            if state.stream_id is None:
+                tail = await stream_tail(redis, key)
+                await resync(state, index, session)
+                state.stream_id = tail
+            entries = await read_stream(redis, key, state.stream_id, count, block_ms)
+            for entry_id, fields in entries:
+                await _consume(state, index, session, retired, entry_id, fields)
+                state.stream_id = entry_id
+        except Exception as error:
+            await asyncio.sleep(_failed(state, backoff, error))
+            continue
+        _recovered(state, backoff)
+        # A full read may have left more behind it, the next of them newer than the last one read.
+        state.behind_since = entry_time(entries[-1][0]) if len(entries) >= count else None
+
+
+async def _consume(
+    state: SyncState,
+    index: RadixIndex,
+    session: aiohttp.ClientSession,
+    retired: deque[str],
+    entry_id: str,
+    fields: Mapping[str, str],
+) -> None:
+    try:
+        batch = _batch(fields)
+    except (KeyError, ValueError, TypeError) as error:
+        # Skipped: if it was a batch, the next one shows the hole, which resyncs.
+        log.warning(
+            "kv sync: replica %s: malformed stream entry %s skipped (%r)", state.replica, entry_id, error
+        )
+        state.errors += 1
+        return
+    if batch.incarnation in retired:
+        return
+    if batch.incarnation != state.incarnation and batch.seq == 1:
+        if state.incarnation is not None:
+            retired.append(state.incarnation)
+        state.incarnation, state.seq = batch.incarnation, 0
+    elif batch.incarnation != state.incarnation or batch.seq > state.seq + 1:
+        if state.behind_since is None:
+            state.behind_since = entry_time(entry_id)
+        before = state.incarnation
+        await resync(state, index, session)
+        for ended in (before, batch.incarnation):
+            if ended is not None and ended != state.incarnation and ended not in retired:
+                retired.append(ended)
+    if batch.incarnation == state.incarnation and batch.seq == state.seq + 1:
+        _apply(state, index, batch)
+
+
+# -- the runner -------------------------------------------------------------------------------------
+
+
+class IndexSync:
+    """One follower task per bundled replica, all feeding one index: through Redis when the gateway
+    has a client, else over HTTP from each worker.
+
+    The replica set owns the index's replicas: it calls `index.add_replica` before `start`, and `stop`
+    before `index.drop_replica`.
+    """
+
+    def __init__(
+        self,
+        index: RadixIndex,
+        session: aiohttp.ClientSession,
+        redis: Redis | None = None,
+        *,
+        poll_timeout_s: float = POLL_TIMEOUT_S,
+        block_ms: int = BLOCK_MS,
+        retry_max_s: float = RETRY_MAX_S,
+    ) -> None:
+        self.index = index
+        self.session = session
+        self.redis = redis
+        self.poll_timeout_s = poll_timeout_s
+        self.block_ms = block_ms
+        self.retry_max_s = retry_max_s
+        self._states: dict[str, SyncState] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+
+    @property
+    def transport(self) -> Transport:
+        return "http" if self.redis is None else "redis"
+
+    @property
+    def states(self) -> dict[str, SyncState]:
+        """The followed replicas' states by id (a copy; the states themselves are live)."""
+        return dict(self._states)
+
+    def start(self, replica_id: str, url: str) -> SyncState:
+        """Follow a replica (already in the index). For a replica followed already this only updates
+        its url (a worker that restarted elsewhere under the same id): its follower keeps its place."""
+        state = self._states.get(replica_id)
+        if state is not None:
+            state.url = url
+            return state
+        state = SyncState(replica_id, url, self.transport)
+        follow: Coroutine[Any, Any, None]
+        if self.redis is None:
+            follow = follow_http(
+                state,
+                self.index,
+                self.session,
+                poll_timeout_s=self.poll_timeout_s,
+                retry_max_s=self.retry_max_s,
+            )
+        else:
+            follow = follow_redis(
+                state,
+                self.index,
+                self.redis,
+                self.session,
+                block_ms=self.block_ms,
+                retry_max_s=self.retry_max_s,
+            )
+        self._states[replica_id] = state
+        self._tasks[replica_id] = asyncio.create_task(follow, name=f"kv-sync:{replica_id}")
+        return state
+
+    def stop(self, replica_id: str) -> None:
+        """Stop following a replica. Its follower touches the index no more once this returns (a
+        cancelled task runs nothing past its current await), so the replica may be dropped at once."""
+        self._states.pop(replica_id, None)
+        task = self._tasks.pop(replica_id, None)
+        if task is not None:
+            task.cancel()
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+
+    async def close(self) -> None:
+        for replica_id in list(self._tasks):
+            self.stop(replica_id)
+        await asyncio.gather(*self._stopping, return_exceptions=True)

@@ -1,0 +1,138 @@
+"""The gateway's Prometheus metrics, in a registry of its own per app (several gateways share a test
+process). Names say what a Grafana user reads: prefixgate_gateway_* by replica, model and policy.
+
+Gauges that mirror state (health, index size, sync lag) are set at scrape time from the live
+objects, so they can never drift from what routing actually sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+from workers.metrics import CONTENT_TYPE, LATENCY_BUCKETS
+
+__all__ = ["CONTENT_TYPE", "GatewayMetrics"]
+
+# Routing decisions take microseconds to a millisecond; inter-token gaps milliseconds to a second.
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "prefixgate_gateway_requests",
+            "Requests by model, replica, policy and HTTP status (499: the client left)",
+            ("model", "replica", "policy", "status"),
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "prefixgate_gateway_time_to_first_token_seconds",
+            "From request arrival at the gateway to the first response bytes from the replica",
+            ("model", "replica"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "prefixgate_gateway_inter_token_seconds",
+            "Gaps between streamed chunks passed through",
+            ("model",),
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "prefixgate_gateway_e2e_request_latency_seconds",
+            "From request arrival to the end of its response",
+            ("model", "replica"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.decision = Histogram(
+            "prefixgate_gateway_routing_decision_seconds",
+            "Hashing, index match and policy choice for one request",
+            ("policy",),
+            buckets=DECISION_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            "prefixgate_gateway_prompt_tokens",
+            "Prompt tokens routed",
+            ("model", "replica"),
+            registry=registry,
+        )
+        self.predicted_cached = Counter(
+            "prefixgate_gateway_predicted_cached_tokens",
+            "Prompt tokens the index predicted the chosen replica held",
+            ("model", "replica"),
+            registry=registry,
+        )
+        self.realised_cached = Counter(
+            "prefixgate_gateway_realised_cached_tokens",
+            "Prompt tokens the replica reported served from its cache (usage.prompt_tokens_details)",
+            ("model", "replica"),
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "prefixgate_gateway_upstream_errors",
+            "Forwards that failed before a response (connect errors, refusals) by replica and kind",
+            ("replica", "kind"),
+            registry=registry,
+        )
+        self.index_entries = Gauge(
+            "prefixgate_gateway_index_entries",
+            "(hash, replica) entries in the prefix index",
+            registry=registry,
+        )
+        self.replica_healthy = Gauge(
+            "prefixgate_gateway_replica_healthy",
+            "1 when the replica receives traffic (healthy and not draining)",
+            ("replica", "model"),
+            registry=registry,
+        )
+        self.replica_inflight = Gauge(
+            "prefixgate_gateway_replica_inflight",
+            "Requests this gateway has in flight on the replica",
+            ("replica",),
+            registry=registry,
+        )
+        self.replica_prefill_rate = Gauge(
+            "prefixgate_gateway_replica_prefill_rate_tokens_per_second",
+            "The prefill rate learned from observed TTFTs",
+            ("replica",),
+            registry=registry,
+        )
+        self.sync_lag = Gauge(
+            "prefixgate_gateway_kv_sync_lag_seconds",
+            "Age of the oldest KV event not yet applied to the index (0: caught up)",
+            ("replica",),
+            registry=registry,
+        )
+        self.sync_resyncs = Gauge(
+            "prefixgate_gateway_kv_resyncs",
+            "Snapshot resyncs of the replica's index entries since the gateway started",
+            ("replica",),
+            registry=registry,
+        )
+
+    def forget_replica(self, replica_id: str, model: str) -> None:
+        """Drop the series of a replica that left, so dashboards do not show it forever."""
+        for gauge in (
+            self.replica_inflight,
+            self.replica_prefill_rate,
+            self.sync_lag,
+            self.sync_resyncs,
+        ):
+            _remove(gauge, replica_id)
+        _remove(self.replica_healthy, replica_id, model)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _remove(gauge: Gauge, *labels: str) -> None:
+    with contextlib.suppress(KeyError):  # never set: nothing to forget
+        gauge.remove(*labels)

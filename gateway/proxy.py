@@ -1,0 +1,213 @@
+"""Forward one routed request and relay the answer (DESIGN §2 step 6).
+
+Streaming responses pass through chunk by chunk as the replica sends them, unparsed: the gateway
+only times the chunks. Cached tokens come from the bundled worker's response header, or for a
+foreign backend from the usage object at the end of its response.
+
+A replica that cannot be reached, or refuses for overload (429, 503), is skipped for the next in
+the policy's order while nothing has been sent to the client yet. Once bytes flow, the request is
+that replica's. A client that goes away cancels this handler (aiohttp handler cancellation), which
+closes the upstream connection, which makes a bundled worker abort the sequence and free its blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.gateway import Gateway
+from gateway.replicas import Replica
+from gateway.router import Decision
+from workers.openai_api import ApiError
+from workers.server import CACHED_TOKENS_HEADER
+
+REPLICA_HEADER = "x-prefixgate-replica"
+MATCHED_BLOCKS_HEADER = "x-prefixgate-matched-blocks"
+PREDICTED_CACHED_HEADER = "x-prefixgate-predicted-cached-tokens"
+POLICY_HEADER = "x-prefixgate-policy"
+_RETRY_ELSEWHERE = (429, 503)
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_TAIL_BYTES = 2048
+# Response headers of the replica that describe its connection, not the content.
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "content-encoding",
+    "date",
+    "server",
+}
+
+
+@dataclass(slots=True)
+class Routed:
+    model: str
+    path: str
+    body: dict[str, Any]
+    tokens: list[int] | None
+    stream: bool
+    decision: Decision
+    arrival: float
+    # The client's Authorization header, forwarded only when configured.
+    authorization: str | None
+
+
+def _payload(routed: Routed, replica: Replica) -> bytes:
+    """Bundled workers get the gateway's token ids (no second tokenization); others the body as sent."""
+    body = routed.body
+    if replica.kind == "bundled" and routed.tokens is not None and "prefixgate_token_ids" not in body:
+        body = {**body, "prefixgate_token_ids": routed.tokens}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _upstream_headers(gw: Gateway, routed: Routed) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    key = gw.config.upstream_key()
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    elif gw.config.auth.forward_client_key and routed.authorization:
+        headers["Authorization"] = routed.authorization
+    return headers
+
+
+def _response_headers(
+    upstream: aiohttp.ClientResponse, replica: Replica, routed: Routed, gw: Gateway
+) -> dict:
+    view = routed.decision.view_of(replica.id)
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
+    headers[REPLICA_HEADER] = replica.id
+    headers[MATCHED_BLOCKS_HEADER] = str(view.matched_blocks)
+    headers[PREDICTED_CACHED_HEADER] = str(min(view.cached_tokens, routed.decision.prompt_tokens))
+    headers[POLICY_HEADER] = gw.policy.name
+    return headers
+
+
+def _cached_tokens(headers: Mapping[str, str], tail: bytes) -> int | None:
+    value = headers.get(CACHED_TOKENS_HEADER)
+    if value is not None and value.isdigit():
+        return int(value)
+    found = _CACHED.findall(tail)
+    return int(found[-1]) if found else None
+
+
+async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.StreamResponse:
+    limits = gw.config.limits
+    order = [rid for rid in routed.decision.order if rid in gw.replicas][: limits.max_attempts]
+    if not order:
+        raise ApiError(
+            503,
+            f"no healthy replica serves {routed.model!r} right now",
+            code="no_replica_available",
+            headers={"Retry-After": "1"},
+        )
+    last_error = ""
+    for attempt, rid in enumerate(order):
+        replica = gw.replicas.get(rid)
+        if replica is None:
+            continue
+        final = attempt == len(order) - 1
+        view = routed.decision.view_of(rid)
+        uncached = max(routed.decision.prompt_tokens - view.cached_tokens, 0)
+        handle = gw.replicas.dispatched(replica, time.monotonic(), uncached)
+        try:
+            try:
+                upstream = await gw.session.post(
+                    replica.url + routed.path,
+                    data=_payload(routed, replica),
+                    headers=_upstream_headers(gw, routed),
+                    timeout=aiohttp.ClientTimeout(
+                        total=None, connect=limits.connect_timeout_s, sock_read=limits.request_timeout_s
+                    ),
+                )
+            except (TimeoutError, aiohttp.ClientError, OSError) as error:
+                gw.mark_failure(replica)
+                gw.metrics.upstream_errors.labels(rid, type(error).__name__).inc()
+                last_error = f"replica {rid} could not be reached: {error!r}"
+                continue
+            try:
+                if upstream.status in _RETRY_ELSEWHERE and not final:
+                    gw.metrics.upstream_errors.labels(rid, f"http_{upstream.status}").inc()
+                    last_error = f"replica {rid} answered {upstream.status}"
+                    continue
+                if routed.stream and upstream.status == 200:
+                    return await _relay_stream(gw, request, routed, replica, handle, upstream)
+                return await _relay_body(gw, routed, replica, handle, upstream)
+            finally:
+                # Back to the pool when read to the end; closed otherwise (the client left, or a
+                # refusal went unread), which is what tells a worker to abort.
+                upstream.release()
+        finally:
+            gw.replicas.finished(replica, handle)
+    raise ApiError(
+        502,
+        f"every replica tried for {routed.model!r} failed; last: {last_error}",
+        code="upstream_unavailable",
+    )
+
+
+def _account(gw: Gateway, routed: Routed, replica: Replica, status: int, cached: int | None) -> None:
+    m = gw.metrics
+    m.requests.labels(routed.model, replica.id, gw.policy.name, str(status)).inc()
+    m.e2e.labels(routed.model, replica.id).observe(time.monotonic() - routed.arrival)
+    if status != 200:
+        return
+    view = routed.decision.view_of(replica.id)
+    prompt = routed.decision.prompt_tokens
+    m.prompt_tokens.labels(routed.model, replica.id).inc(prompt)
+    m.predicted_cached.labels(routed.model, replica.id).inc(min(view.cached_tokens, prompt))
+    if cached is not None:
+        m.realised_cached.labels(routed.model, replica.id).inc(cached)
+
+
+def _first_token(gw: Gateway, routed: Routed, replica: Replica, handle: int) -> None:
+    ttft = time.monotonic() - routed.arrival
+    gw.metrics.ttft.labels(routed.model, replica.id).observe(ttft)
+    learn = gw.config.learning
+    gw.replicas.started(replica, handle, ttft, alpha=learn.ewma_alpha, min_tokens=learn.min_prefill_tokens)
+
+
+async def _relay_body(
+    gw: Gateway, routed: Routed, replica: Replica, handle: int, upstream: aiohttp.ClientResponse
+) -> web.Response:
+    body = await upstream.read()
+    if upstream.status == 200:
+        _first_token(gw, routed, replica, handle)
+    _account(gw, routed, replica, upstream.status, _cached_tokens(upstream.headers, body[-_TAIL_BYTES:]))
+    return web.Response(
+        body=body, status=upstream.status, headers=_response_headers(upstream, replica, routed, gw)
+    )
+
+
+async def _relay_stream(
+    gw: Gateway,
+    request: web.Request,
+    routed: Routed,
+    replica: Replica,
+    handle: int,
+    upstream: aiohttp.ClientResponse,
+) -> web.StreamResponse:
+    response = web.StreamResponse(status=200, headers=_response_headers(upstream, replica, routed, gw))
+    await response.prepare(request)
+    itl = gw.metrics.itl.labels(routed.model)
+    tail = b""
+    last: float | None = None
+    async for chunk in upstream.content.iter_any():
+        now = time.monotonic()
+        if last is None:
+            _first_token(gw, routed, replica, handle)
+        else:
+            itl.observe(now - last)
+        last = now
+        await response.write(chunk)
+        tail = (tail + chunk)[-_TAIL_BYTES:]
+    await response.write_eof()
+    _account(gw, routed, replica, 200, _cached_tokens(upstream.headers, tail))
+    return response

@@ -1,0 +1,79 @@
+"""One routing decision (DESIGN §2 steps 3-5): hash the prompt, match the index, ask the policy.
+
+Pure: the prompt's token ids in, an ordered choice and its explanation out. Hashes are computed once
+per distinct block size among the model's replicas, since a hash chain depends on the block size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from gateway.replicas import Replica
+from policies import Policy, ReplicaView, RouteRequest
+from radix import RadixIndex, block_hashes
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    # Replica ids, best first; empty when none can serve.
+    order: list[str]
+    views: list[ReplicaView]
+    # The prompt's block hashes per block size (what a prediction records for the chosen replica).
+    hashes: dict[int, list[int]]
+    prompt_tokens: int
+    seconds: float
+
+    def view_of(self, replica_id: str) -> ReplicaView:
+        return next(v for v in self.views if v.id == replica_id)
+
+    def explain(self) -> list[dict[str, object]]:
+        """Per replica: what the policy saw, and the estimated TTFT prefix_aware would compute."""
+        rows = []
+        for v in self.views:
+            uncached = max(self.prompt_tokens - v.cached_tokens, 0)
+            rows.append(
+                {
+                    "replica": v.id,
+                    "healthy": v.healthy,
+                    "matched_blocks": v.matched_blocks,
+                    "cached_tokens": min(v.cached_tokens, self.prompt_tokens),
+                    "running": v.running,
+                    "waiting": v.waiting,
+                    "queued_prefill_tokens": v.queued_prefill_tokens,
+                    "prefill_rate": round(v.prefill_rate, 1),
+                    "est_ttft_s": round((v.queued_prefill_tokens + uncached) / v.prefill_rate, 6),
+                    "rank": self.order.index(v.id) if v.id in self.order else None,
+                }
+            )
+        return rows
+
+
+def decide(
+    policy: Policy,
+    index: RadixIndex,
+    replicas: list[Replica],
+    tokens: list[int] | None,
+    session: str | None = None,
+) -> Decision:
+    """Route a prompt (None: not tokenized, so no prefix to match) among one model's replicas."""
+    start = time.perf_counter()
+    hashes: dict[int, list[int]] = {}
+    matched: dict[str, int] = {}
+    if tokens:
+        for size in sorted({r.block_size for r in replicas}):
+            model = next(r.model for r in replicas if r.block_size == size)
+            chain = block_hashes(tokens, size, model)
+            hashes[size] = chain
+            # Chains of different block sizes never share a hash, so the matches never collide.
+            if chain:
+                matched |= index.match(chain)
+    views = [r.view(matched.get(r.id, 0)) for r in replicas]
+    first = min(hashes) if hashes else None
+    request = RouteRequest(
+        prompt_tokens=len(tokens or ()),
+        prefix_key=hashes[first][0] if first is not None and hashes[first] else 0,
+        session=session,
+    )
+    order = policy.choose(request, views)
+    return Decision(order, views, hashes, len(tokens or ()), time.perf_counter() - start)

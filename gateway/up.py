@@ -1,0 +1,224 @@
+"""`prefixgate up`: the local fleet — a gateway and N SmolLM2 workers on this machine — answering.
+
+The workers are child processes (each its own engine and torch threads, as in production); the
+gateway runs in this process. After start-up it sends two chat requests through the official
+`openai` client that share a long system prompt: the first shows where it went, the second that the
+gateway sent it to the replica already holding that prefix, and how many tokens came from the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+from aiohttp import web
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from gateway.app import GATEWAY, create_app
+from gateway.config import GatewayConfig, parse_config
+
+SYSTEM_PROMPT = (
+    "You are the support assistant of a small bicycle shop in Lyon. The shop sells city bikes, "
+    "folding bikes and cargo bikes, repairs every brand, and rents bikes by the day. Opening hours "
+    "are 9:00 to 19:00 from Tuesday to Saturday. A standard service costs 60 euros and takes two "
+    "days; a flat tyre is fixed while the customer waits. Answer in one or two short sentences, "
+    "politely, and never invent prices or services that are not listed here."
+)
+QUESTIONS = ("When are you open?", "How much does a standard service cost?")
+
+console = Console()
+
+
+@dataclass
+class Fleet:
+    workers: list[subprocess.Popen[bytes]]
+    urls: list[str]
+
+    def stop(self) -> None:
+        for proc in self.workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 15
+        for proc in self.workers:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _worker_command(args: argparse.Namespace, index: int, port: int) -> list[str]:
+    threads = max(1, (os.cpu_count() or 1) // args.workers)
+    command = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "worker",
+        "--port",
+        str(port),
+        "--id",
+        f"worker-{index}",
+        "--threads",
+        str(threads),
+        "--log-level",
+        "WARNING",
+    ]
+    if args.model:
+        command += ["--model", args.model]
+    if args.redis:
+        command += ["--redis", args.redis]
+    return command
+
+
+def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    waiting = set(urls)
+    while waiting:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise SystemExit(
+                    f"prefixgate up: a worker exited with status {proc.returncode} during start-up"
+                )
+        for url in list(waiting):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    waiting.discard(url)
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"prefixgate up: workers at {sorted(waiting)} did not start in {timeout_s:.0f} s"
+            )
+        time.sleep(0.25)
+
+
+@contextlib.contextmanager
+def start_fleet(args: argparse.Namespace, progress: Progress) -> Iterator[Fleet]:
+    step = progress.add_task("preparing SmolLM2 (converted once to ~/.cache/prefixgate)", total=None)
+    from workers.engine.loader import convert_gguf, default_gguf_path
+
+    if args.model is None:
+        convert_gguf(default_gguf_path())
+    progress.update(step, description="model ready", completed=1, total=1)
+    ports = [args.worker_port + i for i in range(args.workers)]
+    fleet = Fleet(
+        [subprocess.Popen(_worker_command(args, i, p)) for i, p in enumerate(ports)],
+        [f"http://127.0.0.1:{p}" for p in ports],
+    )
+    try:
+        step = progress.add_task(f"starting {args.workers} workers", total=None)
+        _wait_healthy(fleet.urls, fleet.workers, args.start_timeout)
+        progress.update(
+            step, description=f"{args.workers} workers up: {', '.join(fleet.urls)}", completed=1, total=1
+        )
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def gateway_config(args: argparse.Namespace, urls: list[str]) -> GatewayConfig:
+    data: dict[str, object] = {
+        "listen": {"host": args.host, "port": args.port},
+        "replicas": [{"url": u} for u in urls],
+        "routing": {"policy": args.policy},
+    }
+    if args.redis:
+        data["redis"] = {"url": args.redis}
+    return parse_config(data)
+
+
+def first_requests(base_url: str) -> list[dict[str, object]]:
+    """Two chats sharing the system prompt, through the official client; what each one showed."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=os.environ.get("PREFIXGATE_API_KEY", "none"))
+    model = client.models.list().data[0].id
+    shown = []
+    for question in QUESTIONS:
+        raw = client.chat.completions.with_raw_response.create(
+            model=model,
+            messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}],
+            max_tokens=48,
+            temperature=0,
+        )
+        reply = raw.parse()
+        usage = reply.usage
+        cached = usage.prompt_tokens_details.cached_tokens if usage and usage.prompt_tokens_details else 0
+        shown.append(
+            {
+                "question": question,
+                "answer": reply.choices[0].message.content,
+                "replica": raw.headers.get("x-prefixgate-replica"),
+                "prompt_tokens": usage.prompt_tokens if usage else 0,
+                "cached_tokens": cached or 0,
+            }
+        )
+        console.print(
+            f"[bold]Q:[/bold] {question}\n[bold]A:[/bold] {shown[-1]['answer']}\n"
+            f"   served by [cyan]{shown[-1]['replica']}[/cyan], "
+            f"{shown[-1]['cached_tokens']} of {shown[-1]['prompt_tokens']} prompt tokens from its cache"
+        )
+    return shown
+
+
+async def _serve(args: argparse.Namespace, urls: list[str], progress: Progress) -> list[dict[str, object]]:
+    app = create_app(gateway_config(args, urls))
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    base = f"http://{args.host}:{args.port}"
+    try:
+        step = progress.add_task("gateway: discovering replicas", total=None)
+        gw = app[GATEWAY]
+        while len(gw.replicas) < len(urls):
+            await asyncio.sleep(0.1)
+        progress.update(step, description=f"gateway up at {base}", completed=1, total=1)
+        progress.stop()
+        shown = await asyncio.to_thread(first_requests, base)
+        if args.once:
+            return shown
+        console.print(f"\nServing at {base}/v1 (OpenAI API). Ctrl-C stops the fleet.")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        return shown
+    finally:
+        await runner.cleanup()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--worker-port", type=int, default=8101, help="first worker's port; the rest follow")
+    parser.add_argument("--model", default=None, help="HF folder or .gguf for the workers (default: SmolLM2)")
+    parser.add_argument("--redis", default=None, metavar="URL", help="share state through Redis")
+    parser.add_argument("--policy", default="prefix_aware")
+    parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--once", action="store_true", help="exit after the first requests")
+
+
+def run(args: argparse.Namespace) -> int:
+    with (
+        Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console
+        ) as progress,
+        start_fleet(args, progress) as fleet,
+    ):
+        shown = asyncio.run(_serve(args, fleet.urls, progress))
+    hit = shown[-1]
+    if hit["cached_tokens"] and hit["replica"] == shown[0]["replica"]:
+        console.print(
+            f"[green]cache hit:[/green] the second request reused {hit['cached_tokens']} cached tokens"
+        )
+    return 0
