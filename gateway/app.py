@@ -10,7 +10,10 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import os
+import secrets
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -353,7 +356,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 def create_app(
     config: GatewayConfig, *, config_path: Path | None = None, gateway_id: str | None = None
 ) -> web.Application:
-    gw = Gateway(config, gateway_id or config.gateway_id or f"{config.listen.host}:{config.listen.port}")
+    # Unique per instance: gateways sharing Redis tell their own predictions from the others' by it.
+    default_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    gw = Gateway(config, gateway_id or config.gateway_id or default_id)
     app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[_errors])
     app[GATEWAY] = gw
     if config_path is not None:

@@ -26,12 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
 
-    from bench import engine, fleet, radix_speed, replay
+    from bench import engine, fleet, overhead, radix_speed, replay
 
     radix_speed.add_arguments(bench.add_parser("radix", help="hashing and index-match speed and memory"))
     engine.add_arguments(bench.add_parser("engine", help="the engine against HF transformers on one machine"))
     fleet.add_arguments(bench.add_parser("fleet", help="a trace over simulated replicas (real scheduler)"))
     replay.add_arguments(bench.add_parser("replay", help="open-loop load against an OpenAI endpoint"))
+    overhead.add_arguments(bench.add_parser("overhead", help="the gateway's added latency and capacity"))
     return parser
 
 
@@ -73,9 +74,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return up.run(args)
     if args.command == "bench":
-        from bench import engine, fleet, radix_speed, replay
+        from bench import engine, fleet, overhead, radix_speed, replay
 
-        runners = {"radix": radix_speed.run, "engine": engine.run, "fleet": fleet.run, "replay": replay.run}
+        runners = {
+            "radix": radix_speed.run,
+            "engine": engine.run,
+            "fleet": fleet.run,
+            "replay": replay.run,
+            "overhead": overhead.run,
+        }
         runners[args.bench](args)
     return 0
 

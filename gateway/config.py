@@ -113,7 +113,7 @@ class GatewayConfig(_Section):
     health: Health = Health()
     approximate: Approximate = Approximate()
     learning: Learning = Learning()
-    # Names this gateway in shared predictions and logs (default: host:port).
+    # Names this gateway in shared predictions and logs (default: hostname-pid-random, unique).
     gateway_id: str | None = None
 
     def api_keys(self) -> frozenset[str]:
