@@ -1,0 +1,99 @@
+"""Replica state without I/O: load as report plus the gateway's own placements since, the prefill
+rate learned from TTFTs, and the routing decision over the index."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.replicas import LoadReport, Replica, ReplicaSet
+from gateway.router import decide
+from policies import RoutingConfig, build_policy
+from radix import RadixIndex, block_hashes
+
+MODEL = "m"
+
+
+def replica(rid: str, block_size: int = 4, **kwargs: object) -> Replica:
+    fields: dict[str, object] = {
+        "id": rid,
+        "url": f"http://{rid}",
+        "kind": "bundled",
+        "model": MODEL,
+        "block_size": block_size,
+        "capacity_blocks": 100,
+        "max_context_len": 1000,
+        "source": "config",
+        "prefill_rate": 1000.0,
+    }
+    return Replica(**(fields | kwargs))  # type: ignore[arg-type]
+
+
+def test_load_adds_only_what_was_placed_after_the_report() -> None:
+    replicas = ReplicaSet()
+    r = replica("a")
+    replicas.add(r)
+    early = replicas.dispatched(r, now=1.0, prefill_tokens=100)
+    r.report = LoadReport(running=2, waiting=1, queued_prefill_tokens=50, at=2.0)
+    late = replicas.dispatched(r, now=3.0, prefill_tokens=40)
+    # `early` is in the report already; `late` is not, and adds a waiting request and its tokens.
+    assert r.load() == (2, 2, 90)
+    replicas.started(r, late, ttft_s=0.1, alpha=0.5, min_tokens=1)
+    assert r.load() == (3, 1, 50)
+    replicas.finished(r, late)
+    replicas.finished(r, early)
+    assert r.load() == (2, 1, 50) and not r.inflight
+
+
+def test_the_prefill_rate_learns_from_ttfts_of_real_prefills() -> None:
+    replicas = ReplicaSet()
+    r = replica("a", prefill_rate=1000.0)
+    replicas.add(r)
+    small = replicas.dispatched(r, now=0.0, prefill_tokens=10)
+    replicas.started(r, small, ttft_s=1.0, alpha=0.5, min_tokens=64)
+    assert r.prefill_rate == 1000.0  # too few tokens to say anything about prefill speed
+    big = replicas.dispatched(r, now=0.0, prefill_tokens=3000)
+    replicas.dispatched(r, now=0.0, prefill_tokens=500)  # waits behind `big`
+    # 3000 own tokens in 1 s (the small request already runs: nothing queued ahead): halfway to 3000/s.
+    replicas.started(r, big, ttft_s=1.0, alpha=0.5, min_tokens=64)
+    assert r.prefill_rate == pytest.approx(2000.0)
+    replicas.started(r, big, ttft_s=0.001, alpha=0.5, min_tokens=64)  # once per request
+    assert r.prefill_rate == pytest.approx(2000.0)
+    # 500 own tokens behind the 500 of `queued`, still waiting when it was placed: 1000 tokens in 1 s.
+    last = replicas.dispatched(r, now=0.0, prefill_tokens=500)
+    replicas.started(r, last, ttft_s=1.0, alpha=0.5, min_tokens=64)
+    assert r.prefill_rate == pytest.approx(2000.0 + 0.5 * (500 + 500 - 2000.0))
+
+
+def test_draining_and_unhealthy_replicas_are_not_routable() -> None:
+    r = replica("a")
+    assert r.view(0).healthy
+    r.draining = True
+    assert not r.view(0).healthy
+    r.draining, r.healthy = False, False
+    assert not r.view(0).healthy
+
+
+def test_decide_matches_per_block_size_and_prefers_the_holder() -> None:
+    tokens = list(range(100, 164))
+    small, large, cold = replica("small", 4), replica("large", 16), replica("cold", 4)
+    index = RadixIndex()
+    for r in (small, large, cold):
+        index.add_replica(r.id)
+    index.insert("small", block_hashes(tokens, 4, MODEL)[:10])
+    index.insert("large", block_hashes(tokens, 16, MODEL)[:3])
+    decision = decide(build_policy(RoutingConfig()), index, [small, large, cold], tokens)
+    assert set(decision.hashes) == {4, 16}
+    assert {v.id: v.matched_blocks for v in decision.views} == {"small": 10, "large": 3, "cold": 0}
+    assert decision.order[0] == "large"  # 48 cached tokens beat 40
+    rows = {row["replica"]: row for row in decision.explain()}
+    assert rows["large"]["cached_tokens"] == 48 and rows["large"]["rank"] == 0
+    assert rows["cold"]["est_ttft_s"] == pytest.approx(64 / 1000.0)
+
+
+def test_decide_without_tokens_still_routes() -> None:
+    index = RadixIndex()
+    replicas = [replica("a"), replica("b")]
+    for r in replicas:
+        index.add_replica(r.id)
+    decision = decide(build_policy(RoutingConfig(policy="round_robin")), index, replicas, None)
+    assert decision.prompt_tokens == 0 and decision.hashes == {} and len(decision.order) == 2
