@@ -1,0 +1,76 @@
+"""What Authorization a replica sees: none by default (client keys stay at the gateway), the client's
+when `forward_client_key` is set, or the gateway's own upstream key.
+
+The replica here is a minimal OpenAI-compatible server written for this test, standing in for a
+foreign backend that checks keys; it answers with the Authorization header it received."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from aiohttp import web
+
+from tests.gateway.conftest import RunningGateway
+from tests.workers.conftest import ServerThread
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": "echo", "object": "model"}]})
+
+
+async def _complete(request: web.Request) -> web.Response:
+    seen = request.headers.get("Authorization", "<none>")
+    return web.json_response(
+        {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 0,
+            "model": "echo",
+            "choices": [{"index": 0, "text": seen, "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+    )
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(text="")  # vLLM's /health: 200 and no body
+
+
+@pytest.fixture
+def echo_backend() -> Iterator[str]:
+    app = web.Application()
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_post("/v1/completions", _complete)
+    server = ServerThread(app)
+    yield server.start()
+    server.stop()
+
+
+@pytest.mark.parametrize(
+    ("auth", "expected"),
+    [
+        ({}, "<none>"),
+        ({"forward_client_key": True}, "Bearer client-key"),
+        ({"upstream_key_env": "TEST_PG_UPSTREAM"}, "Bearer upstream-secret"),
+    ],
+)
+def test_the_replica_sees_only_the_key_it_is_configured_to_see(
+    echo_backend: str,
+    start_gateway: Callable[..., RunningGateway],
+    monkeypatch: pytest.MonkeyPatch,
+    auth: dict[str, object],
+    expected: str,
+) -> None:
+    monkeypatch.setenv("TEST_PG_KEYS", "client-key")
+    monkeypatch.setenv("TEST_PG_UPSTREAM", "upstream-secret")
+    gateway = start_gateway(
+        [],
+        wait_for=1,
+        replicas=[{"url": echo_backend, "kind": "openai"}],
+        models={"echo": {"tokenizer": "none"}},
+        auth={"api_keys_env": "TEST_PG_KEYS", **auth},
+    )
+    reply = gateway.client("client-key").completions.create(model="echo", prompt="hi", max_tokens=1)
+    assert reply.choices[0].text == expected
