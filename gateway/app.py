@@ -93,7 +93,8 @@ def _session_key(gw: Gateway, request: web.Request, body: dict[str, Any]) -> str
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     arrival = time.monotonic()
-    body = parse_json(await request.read())
+    raw = await request.read()
+    body = parse_json(raw)
     model = _model_of(gw, body)
     served = await _served(gw, model)
     gen: GenerationRequest = (parse_chat if chat else parse_completion)({**body, "model": model}, served)
@@ -111,8 +112,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     routed = Routed(
         model=model,
         path=request.path,
+        raw=raw,
         body=body,
         tokens=tokens,
+        tokenized=gen.token_ids is None,
         stream=gen.stream,
         decision=decision,
         arrival=arrival,

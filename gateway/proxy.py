@@ -51,8 +51,12 @@ _HOP_BY_HOP = {
 class Routed:
     model: str
     path: str
+    # The client's body as received: forwarded unchanged unless token ids are attached.
+    raw: bytes
     body: dict[str, Any]
     tokens: list[int] | None
+    # Whether the gateway tokenized the prompt itself (the ids are then worth attaching).
+    tokenized: bool
     stream: bool
     decision: Decision
     arrival: float
@@ -61,11 +65,12 @@ class Routed:
 
 
 def _payload(routed: Routed, replica: Replica) -> bytes:
-    """Bundled workers get the gateway's token ids (no second tokenization); others the body as sent."""
-    body = routed.body
-    if replica.kind == "bundled" and routed.tokens is not None and "prefixgate_token_ids" not in body:
-        body = {**body, "prefixgate_token_ids": routed.tokens}
-    return json.dumps(body, separators=(",", ":")).encode()
+    """Bundled workers get the ids the gateway tokenized (no second tokenization); everything else goes
+    as the client sent it, without re-encoding."""
+    if replica.kind == "bundled" and routed.tokenized and routed.tokens is not None:
+        attached = {**routed.body, "prefixgate_token_ids": routed.tokens}
+        return json.dumps(attached, separators=(",", ":")).encode()
+    return routed.raw
 
 
 def _upstream_headers(gw: Gateway, routed: Routed) -> dict[str, str]:

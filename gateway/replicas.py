@@ -135,7 +135,8 @@ class ReplicaSet:
         return self._by_id.get(replica_id)
 
     def all(self) -> list[Replica]:
-        return list(self._by_id.values())
+        """By id: listings and metrics come out in a stable order whatever order replicas joined in."""
+        return sorted(self._by_id.values(), key=lambda r: r.id)
 
     def by_url(self, url: str) -> Replica | None:
         return next((r for r in self._by_id.values() if r.url == url), None)

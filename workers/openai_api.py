@@ -173,12 +173,14 @@ def _bool(body: Mapping[str, Any], name: str) -> bool | None:
 
 
 def _token_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+    # On the request path of every token-id prompt: C-level passes (map, set, min, max) instead of a
+    # Python-level check per id. `type(t) is int` also refuses bools, which JSON ids never are.
+    if not isinstance(value, list) or not set(map(type, value)) <= {int}:
         raise _bad(name, f"{name} must be a list of integer token ids")
     if not value:
         raise _bad(name, f"{name} must not be empty")
-    bad = next((t for t in value if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if min(value) < 0 or max(value) >= vocab_size:
+        bad = next(t for t in value if not 0 <= t < vocab_size)
         raise _bad(name, f"{name} holds token id {bad}, outside this model's vocabulary [0, {vocab_size})")
     return tuple(value)
 
