@@ -5,16 +5,22 @@ Open loop: each request leaves at its scheduled time whether or not earlier ones
 closed loop (N users waiting on their answers) slows down with the server and so hides the queueing
 that latency under load is about. Prompts are token ids, which both the gateway and the simulated
 workers accept, so no tokenizer runs on either side of the measurement.
+
+With `--sim-fleet N` it brings its own servers: per policy of `--policies`, N fresh simulated
+workers (empty caches) and a gateway with that policy, each its own process (bench.local_fleet), and
+one arrival schedule replayed through each gateway in turn: one row per policy, side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
 import os
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -26,8 +32,10 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
+from bench.local_fleet import SimWorkers, local_fleet
 from bench.report import bar_panels, format_table, write_json
 from bench.trace import TraceRequest, load_trace, prompt_tokens
+from policies import POLICY_NAMES
 
 # The gateway names the replica that served a request here; a worker talked to directly does not.
 REPLICA_HEADER = "x-prefixgate-replica"
@@ -39,6 +47,18 @@ PERCENTILES = (50, 90, 99)
 # After the last send, how much longer than one request's timeout the stragglers get: enough that a
 # request sent last meets its own timeout (counted as such) before the drain gives up on it.
 DRAIN_GRACE_S = 1.0
+# Fleet mode (--sim-fleet) defaults: the policies compared, and workers whose cache holds only a
+# fraction of the workload's system prompts, the regime in which the replica chosen decides the hit:
+# 768 blocks of 16 tokens are 12k tokens, six of the sixteen 2k-token system prompts. At 40 req/s,
+# at round robin's hit rate, each replica's modelled prefill is about half busy, so hits show in
+# TTFT; 60 s is about 2,400 requests per policy, each policy about 75 s with its start-up.
+FLEET_POLICIES = ("prefix_aware", "round_robin", "least_load")
+FLEET_PROFILE = "h100-8b"
+FLEET_BLOCK_SIZE = 16
+FLEET_NUM_BLOCKS = 768
+FLEET_WORKLOAD = (16, 32, 2048, 128, 32)
+FLEET_RATE = 40.0
+FLEET_DURATION_S = 60.0
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +273,20 @@ async def _stream_one(
     )
 
 
+def _body(prompt: Prompt, model: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt": list(prompt.token_ids),
+        "max_tokens": prompt.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    if model is not None:
+        body["model"] = model
+    return body
+
+
 def _failure_kind(error: BaseException) -> str:
     # Order matters: aiohttp's timeouts are ClientErrors too, and connection refusals are OSErrors.
     if isinstance(error, _Failed):
@@ -303,19 +337,9 @@ async def replay(
 
         async def one(prompt: Prompt) -> None:
             nonlocal last_end
-            body: dict[str, Any] = {
-                "prompt": list(prompt.token_ids),
-                "max_tokens": prompt.max_tokens,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "temperature": 0,
-                "ignore_eos": True,
-            }
-            if model is not None:
-                body["model"] = model
             async with slots:
                 try:
-                    records.append(await _stream_one(session, url, body, timeout))
+                    records.append(await _stream_one(session, url, _body(prompt, model), timeout))
                 except (_Failed, aiohttp.ClientError, TimeoutError, ValueError) as error:
                     errors[_failure_kind(error)] += 1
             last_end = max(last_end, loop.time())
@@ -340,6 +364,48 @@ async def replay(
     return ReplayResult(url, len(tasks), last_end - start, records, errors)
 
 
+async def closed_loop(
+    url: str,
+    prompts: Sequence[Prompt],
+    *,
+    concurrency: int,
+    duration_s: float,
+    model: str | None = None,
+    api_key: str = "none",
+    timeout_s: float = 30.0,
+) -> ReplayResult:
+    """`concurrency` clients, each sending its next prompt (round the list) as soon as its previous
+    answer ends, until `duration_s` has passed: the throughput a server sustains, which an open loop
+    can only bracket. Latency under it is queueing by construction; `replay` is the one for latency."""
+    if concurrency < 1 or duration_s <= 0 or not prompts:
+        raise ValueError("closed_loop needs concurrency >= 1, duration_s > 0 and at least one prompt")
+    url = url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    headers = {"Authorization": f"Bearer {api_key}"}
+    records: list[RequestRecord] = []
+    errors: Counter[str] = Counter()
+    bodies = itertools.cycle([_body(p, model) for p in prompts])
+    sent = 0
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        end = start + duration_s
+
+        async def client() -> None:
+            nonlocal sent
+            while loop.time() < end:
+                sent += 1
+                try:
+                    records.append(await _stream_one(session, url, next(bodies), timeout))
+                except (_Failed, aiohttp.ClientError, TimeoutError, ValueError) as error:
+                    errors[_failure_kind(error)] += 1
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        elapsed = loop.time() - start
+    return ReplayResult(url, sent, elapsed, records, errors)
+
+
 # -- command line ------------------------------------------------------------------------------------
 
 
@@ -355,21 +421,48 @@ def _shape(text: str) -> tuple[int, ...]:
     return values
 
 
+def _policies(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in POLICY_NAMES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(POLICY_NAMES)}; got {text!r}"
+        )
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", required=True, help="base URL of an OpenAI-compatible server")
-    workload = parser.add_mutually_exclusive_group(required=True)
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", default=None, help="base URL of an OpenAI-compatible server")
+    target.add_argument(
+        "--sim-fleet",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N simulated workers and, per --policies entry, a gateway over them",
+    )
+    workload = parser.add_mutually_exclusive_group()
     workload.add_argument("--trace", default=None, help="Mooncake-format JSONL trace")
     workload.add_argument(
         "--shared-prefix",
         type=_shape,
         default=None,
         metavar="G,P,S,Q,O",
-        help="G groups of P questions: S system tokens, Q question tokens, O output tokens",
+        help="G groups of P questions: S system tokens, Q question tokens, O output tokens "
+        f"(--sim-fleet default: {','.join(map(str, FLEET_WORKLOAD))})",
     )
     parser.add_argument(
-        "--rate", type=float, default=None, help="requests/s, Poisson (with --trace: instead of its times)"
+        "--rate",
+        type=float,
+        default=None,
+        help=f"requests/s, Poisson (with --trace: instead of its times; --sim-fleet default: {FLEET_RATE:g})",
     )
-    parser.add_argument("--duration", type=float, required=True, help="seconds of sending")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help=f"seconds of sending (--sim-fleet default: {FLEET_DURATION_S:g})",
+    )
     parser.add_argument("--json", default=None, help="write the summary here, and a PNG next to it")
     parser.add_argument("--model", default=None, help="default: the first of GET /v1/models")
     parser.add_argument("--api-key", default=None, help="default: $PREFIXGATE_API_KEY or 'none'")
@@ -380,29 +473,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request, and to drain")
     parser.add_argument("--vocab-size", type=int, default=32000, help="trace token ids are drawn below this")
     parser.add_argument("--max-prompt-tokens", type=int, default=4000, help="cut trace prompts to this")
+    fleet = parser.add_argument_group("--sim-fleet: simulated workers started for the run")
+    fleet.add_argument(
+        "--policies", type=_policies, default=FLEET_POLICIES, help="comma-separated, one gateway each"
+    )
+    fleet.add_argument("--sim-profile", default=FLEET_PROFILE, help="the workers' profile")
+    fleet.add_argument("--block-size", type=int, default=FLEET_BLOCK_SIZE, help="the workers' KV block size")
+    fleet.add_argument(
+        "--num-blocks",
+        type=int,
+        default=FLEET_NUM_BLOCKS,
+        help="KV blocks per worker (the cache that matters)",
+    )
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.duration <= 0:
-        raise SystemExit("prefixgate bench replay: --duration must be positive")
+def _arrivals(args: argparse.Namespace) -> tuple[str, list[Arrival]]:
+    """The workload's name and its arrivals, a pure function of the flags and the seed."""
     if args.shared_prefix is not None:
         if args.rate is None:
             raise SystemExit("prefixgate bench replay: --shared-prefix needs --rate")
-        workload = "shared-prefix " + ",".join(map(str, args.shared_prefix))
         prompts = shared_prefix_workload(*args.shared_prefix, seed=args.seed)
         arrivals = shared_prefix_arrivals(prompts, args.rate, args.duration, args.seed)
-    else:
-        trace = load_trace(args.trace, speed=args.speed, limit=args.limit)
-        workload = f"trace {Path(args.trace).name}"
-        arrivals = trace_arrivals(
-            trace,
-            args.duration,
-            rate=args.rate,
-            seed=args.seed,
-            vocab_size=args.vocab_size,
-            max_prompt_tokens=args.max_prompt_tokens,
-        )
-    arrivals = arrivals[: args.limit]
+        return "shared-prefix " + ",".join(map(str, args.shared_prefix)), arrivals[: args.limit]
+    trace = load_trace(args.trace, speed=args.speed, limit=args.limit)
+    arrivals = trace_arrivals(
+        trace,
+        args.duration,
+        rate=args.rate,
+        seed=args.seed,
+        vocab_size=args.vocab_size,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
+    return f"trace {Path(args.trace).name}", arrivals[: args.limit]
+
+
+def fill_fleet_defaults(args: argparse.Namespace) -> None:
+    """--sim-fleet alone runs the comparison the defaults were chosen for; a URL needs its workload."""
+    if args.sim_fleet is not None and args.trace is None and args.shared_prefix is None:
+        args.shared_prefix = FLEET_WORKLOAD
+        args.rate = FLEET_RATE if args.rate is None else args.rate
+    if args.sim_fleet is not None and args.duration is None:
+        args.duration = FLEET_DURATION_S
+    if args.trace is None and args.shared_prefix is None:
+        raise SystemExit("prefixgate bench replay: give a workload, --trace or --shared-prefix")
+    if args.duration is None or args.duration <= 0:
+        raise SystemExit("prefixgate bench replay: --duration must be given and positive")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    fill_fleet_defaults(args)
+    workload, arrivals = _arrivals(args)
+    rate = f"{args.rate:g} req/s" if args.rate else f"its own times at speed {args.speed:g}"
+    if args.sim_fleet is not None:
+        return _run_fleet(args, workload, rate, arrivals)
     result = asyncio.run(
         replay(
             args.url,
@@ -414,13 +537,99 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     )
     payload = {"workload": workload, "rate": args.rate, "duration_s": args.duration, **result.summary()}
-    rate = f"{args.rate:g} req/s" if args.rate else f"its own times at speed {args.speed:g}"
     title = f"replay: {workload}, {rate} for {args.duration:g} s against {result.url}"
     print(_tables(title, payload))
     if args.json:
         write_json(args.json, payload)
         bar_panels(Path(args.json).with_suffix(".png"), title, _panels(payload))
     return payload
+
+
+# -- fleet mode: one arrival schedule through a gateway per policy ------------------------------------
+
+
+def imbalance(requests_per_replica: dict[str, int], replicas: int) -> float:
+    """max/mean of requests per replica, replicas that got none counted in the mean."""
+    total = sum(requests_per_replica.values())
+    return max(requests_per_replica.values(), default=0) * replicas / total if total else 0.0
+
+
+def _run_fleet(args: argparse.Namespace, workload: str, rate: str, arrivals: list[Arrival]) -> dict[str, Any]:
+    """Per policy: fresh workers (empty caches), a gateway with that policy, the same arrivals."""
+    if args.sim_fleet < 1:
+        raise SystemExit("prefixgate bench replay: --sim-fleet needs at least one worker")
+    spec = SimWorkers(args.sim_fleet, args.sim_profile, args.block_size, args.num_blocks)
+    rows: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="prefixgate-replay-") as tmp:
+        for policy in args.policies:
+            with local_fleet(Path(tmp) / policy, spec, policy) as fleet:
+                assert fleet.gateway is not None
+                result = asyncio.run(
+                    replay(
+                        fleet.gateway.url,
+                        arrivals,
+                        model=spec.model,
+                        concurrency_limit=args.concurrency_limit,
+                        timeout_s=args.timeout,
+                    )
+                )
+            summary = result.summary()
+            rows[policy] = {**summary, "imbalance": imbalance(summary["requests_per_replica"], spec.count)}
+    payload = {
+        "workload": workload,
+        "rate": args.rate,
+        "duration_s": args.duration,
+        "sim_fleet": {**dataclasses.asdict(spec), "model": spec.model},
+        "policies": rows,
+    }
+    title = (
+        f"replay: {workload}, {rate} for {args.duration:g} s through the gateway over {spec.count} "
+        f"{spec.profile} workers ({spec.num_blocks} blocks of {spec.block_size})"
+    )
+    print(_fleet_tables(title, payload))
+    if args.json:
+        write_json(args.json, payload)
+        bar_panels(Path(args.json).with_suffix(".png"), title, _fleet_panels(payload))
+    return payload
+
+
+_FLEET_COLUMNS = (
+    ("TTFT mean s", "ttft_s", "mean"),
+    ("TTFT p50 s", "ttft_s", "p50"),
+    ("TTFT p99 s", "ttft_s", "p99"),
+    ("E2E p50 s", "e2e_s", "p50"),
+    ("E2E p99 s", "e2e_s", "p99"),
+)
+
+
+def _fleet_tables(title: str, p: dict[str, Any]) -> str:
+    replicas = [f"w{i}" for i in range(p["sim_fleet"]["count"])]
+    rows, spread = [], []
+    for policy, r in p["policies"].items():
+        latency = ["-" if r[key][s] is None else r[key][s] for _, key, s in _FLEET_COLUMNS]
+        errors = ", ".join(f"{k}={v}" for k, v in r["errors"].items()) or "0"
+        rows.append([policy, *latency, r["hit_rate"], r["imbalance"], r["completed"], errors])
+        spread.append([policy, *(r["requests_per_replica"].get(w, 0) for w in replicas)])
+    header = ["policy", *(c[0] for c in _FLEET_COLUMNS), "hit rate", "imbalance", "completed", "errors"]
+    return "\n\n".join(
+        [
+            format_table(title, header, rows),
+            format_table("requests per replica", ["policy", *replicas], spread),
+        ]
+    )
+
+
+def _fleet_panels(p: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
+    rows = p["policies"]
+    panels = [
+        (name, {policy: r[key][s] for policy, r in rows.items() if r[key][s] is not None})
+        for name, key, s in _FLEET_COLUMNS
+    ]
+    return [
+        *panels,
+        ("hit rate", {policy: r["hit_rate"] for policy, r in rows.items()}),
+        ("imbalance (max/mean)", {policy: r["imbalance"] for policy, r in rows.items()}),
+    ]
 
 
 _LATENCIES = (("TTFT s", "ttft_s"), ("ITL s", "itl_s"), ("E2E s", "e2e_s"))

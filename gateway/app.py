@@ -154,13 +154,15 @@ async def health(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     replicas = gw.replicas.all()
     routable = sum(r.routable for r in replicas)
+    degraded = gw.redis_ok is False
     body = {
-        "status": "ok" if routable else "unavailable",
+        "status": ("degraded" if degraded else "ok") if routable else "unavailable",
         "gateway_id": gw.gateway_id,
         "replicas": {"routable": routable, "total": len(replicas), "pending": len(gw.pending)},
         "models": gw.replicas.models(),
         "policy": gw.policy.name,
-        "redis": gw.redis is not None,
+        "redis": {"configured": gw.redis is not None, "ok": gw.redis_ok},
+        "degraded": degraded,
     }
     return web.json_response(body, status=200 if routable else 503)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig, ReplicaEntry
 from gateway.discovery import Probe, ProbeFailed, fetch_load, probe, read_registry
@@ -50,6 +51,8 @@ class Gateway:
     sync: IndexSync = field(init=False)
     predictions: Predictions = field(init=False)
     tokenizers: Tokenizers = field(init=False)
+    # Whether the last registry read reached Redis (None: no Redis configured).
+    redis_ok: bool | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -75,6 +78,7 @@ class Gateway:
         )
         if self.config.redis is not None:
             self.redis = Redis.from_url(self.config.redis.url, decode_responses=True)
+            self.redis_ok = False
         self.sync = IndexSync(self.index, self.session, self.redis)
         self.predictions = Predictions(
             self.index, ttl_s=self.config.approximate.ttl_s, redis=self.redis, gateway_id=self.gateway_id
@@ -173,6 +177,7 @@ class Gateway:
         replica.failures += 1
         if replica.failures >= self.config.health.failures and replica.healthy:
             replica.healthy = False
+            replica.down_since = time.monotonic()
             log.warning("replica %s is unhealthy after %d failures", replica.id, replica.failures)
 
     async def _check(self, replica: Replica) -> None:
@@ -182,10 +187,17 @@ class Gateway:
         except ProbeFailed:
             self.mark_failure(replica)
             return
+        followed = self.sync.states.get(replica.id)
+        if followed is not None and followed.incarnation not in (None, found.incarnation):
+            # A restarted worker lost its cache: forget it now, before the replica is routable again,
+            # rather than when its KV follower notices the new incarnation.
+            self.index.clear(replica.id)
+            log.info("replica %s restarted (incarnation %s)", replica.id, found.incarnation)
         if not replica.healthy:
             log.info("replica %s is healthy again", replica.id)
         replica.failures = 0
         replica.healthy = True
+        replica.down_since = None
         replica.incarnation = found.incarnation
         replica.max_waiting = found.max_waiting
 
@@ -202,7 +214,17 @@ class Gateway:
 
     async def _registry_loop(self) -> None:
         assert self.redis is not None
-        registered = await read_registry(self.redis)
+        try:
+            registered = await read_registry(self.redis)
+        except RedisError as error:
+            # Keep routing on what is known; the KV followers and predictions back off on their own.
+            if self.redis_ok:
+                log.warning("Redis is unreachable, routing on the local index: %r", error)
+            self.redis_ok = False
+            return
+        if not self.redis_ok:
+            log.info("Redis is reachable")
+        self.redis_ok = True
         live = set()
         for item in registered:
             live.add(item.probe.id)
@@ -238,6 +260,8 @@ class Gateway:
     def refresh_metrics(self) -> None:
         m = self.metrics
         m.index_entries.set(len(self.index))
+        if self.redis_ok is not None:
+            m.redis_up.set(1 if self.redis_ok else 0)
         for r in self.replicas.all():
             m.replica_healthy.labels(r.id, r.model).set(1 if r.routable else 0)
             m.replica_inflight.labels(r.id).set(len(r.inflight))

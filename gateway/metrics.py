@@ -105,6 +105,11 @@ class GatewayMetrics:
             ("replica",),
             registry=registry,
         )
+        self.redis_up = Gauge(
+            "prefixgate_gateway_redis_up",
+            "1 while the gateway reaches Redis; 0: degraded, routing on its local index",
+            registry=registry,
+        )
         self.sync_lag = Gauge(
             "prefixgate_gateway_kv_sync_lag_seconds",
             "Age of the oldest KV event not yet applied to the index (0: caught up)",

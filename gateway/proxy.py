@@ -25,7 +25,7 @@ from aiohttp import web
 from gateway.gateway import Gateway
 from gateway.replicas import Replica
 from gateway.router import Decision
-from workers.openai_api import ApiError
+from workers.openai_api import SSE_DONE, ApiError, sse
 from workers.server import CACHED_TOKENS_HEADER
 
 REPLICA_HEADER = "x-prefixgate-replica"
@@ -143,8 +143,15 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
                     last_error = f"replica {rid} answered {upstream.status}"
                     continue
                 if routed.stream and upstream.status == 200:
-                    return await _relay_stream(gw, request, routed, replica, handle, upstream)
+                    first = await upstream.content.readany()
+                    return await _relay_stream(gw, request, routed, replica, handle, upstream, first)
                 return await _relay_body(gw, routed, replica, handle, upstream)
+            except (TimeoutError, aiohttp.ClientError) as error:
+                # The replica failed before the client saw a byte: the next choice can still serve it.
+                gw.mark_failure(replica)
+                gw.metrics.upstream_errors.labels(rid, type(error).__name__).inc()
+                last_error = f"replica {rid} failed mid-response: {error!r}"
+                continue
             finally:
                 # Back to the pool when read to the end; closed otherwise (the client left, or a
                 # refusal went unread), which is what tells a worker to abort.
@@ -198,21 +205,31 @@ async def _relay_stream(
     replica: Replica,
     handle: int,
     upstream: aiohttp.ClientResponse,
+    first: bytes,
 ) -> web.StreamResponse:
+    """Relay from the first chunk on. If the replica fails once bytes have reached the client, the
+    stream ends the way OpenAI streams report errors: an error event, then [DONE]."""
     response = web.StreamResponse(status=200, headers=_response_headers(upstream, replica, routed, gw))
     await response.prepare(request)
+    _first_token(gw, routed, replica, handle)
     itl = gw.metrics.itl.labels(routed.model)
-    tail = b""
-    last: float | None = None
-    async for chunk in upstream.content.iter_any():
-        now = time.monotonic()
-        if last is None:
-            _first_token(gw, routed, replica, handle)
-        else:
+    await response.write(first)
+    tail = first[-_TAIL_BYTES:]
+    last = time.monotonic()
+    status = 200
+    try:
+        async for chunk in upstream.content.iter_any():
+            now = time.monotonic()
             itl.observe(now - last)
-        last = now
-        await response.write(chunk)
-        tail = (tail + chunk)[-_TAIL_BYTES:]
+            last = now
+            await response.write(chunk)
+            tail = (tail + chunk)[-_TAIL_BYTES:]
+    except (TimeoutError, aiohttp.ClientError) as error:
+        status = 502
+        gw.mark_failure(replica)
+        gw.metrics.upstream_errors.labels(replica.id, type(error).__name__).inc()
+        failed = ApiError(502, f"replica {replica.id} failed mid-stream: {error!r}", code="upstream_failed")
+        await response.write(sse(failed.to_json()) + SSE_DONE)
     await response.write_eof()
-    _account(gw, routed, replica, 200, _cached_tokens(upstream.headers, tail))
+    _account(gw, routed, replica, status, _cached_tokens(upstream.headers, tail))
     return response

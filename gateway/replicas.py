@@ -59,6 +59,8 @@ class Replica:
     healthy: bool = True
     draining: bool = False
     failures: int = 0
+    # Gateway monotonic time this replica last went unhealthy (None while healthy).
+    down_since: float | None = None
     report: LoadReport = field(default_factory=LoadReport)
     inflight: dict[int, InFlight] = field(default_factory=dict)
 

@@ -12,17 +12,24 @@ from pathlib import Path
 import pytest
 
 from bench.replay import (
+    FLEET_DURATION_S,
+    FLEET_NUM_BLOCKS,
+    FLEET_POLICIES,
+    FLEET_RATE,
+    FLEET_WORKLOAD,
     TOKEN_HIGH,
     TOKEN_LOW,
     Arrival,
     Prompt,
+    fill_fleet_defaults,
+    imbalance,
     replay,
     shared_prefix_arrivals,
     shared_prefix_workload,
     trace_arrivals,
 )
 from bench.trace import load_trace, write_conversation_trace
-from gateway.cli import main
+from gateway.cli import build_parser, main
 from tests.conftest import free_port
 from tests.workers.conftest import ServerThread
 from workers.kv_events import KVEventLog
@@ -118,3 +125,46 @@ def test_trace_arrivals_follow_the_trace_or_the_rate(tmp_path: Path) -> None:
     paced = trace_arrivals(trace, duration_s=1, rate=20, max_prompt_tokens=1000)
     assert [a.prompt for a in paced] == [a.prompt for a in own[: len(paced)]]
     assert paced[-1].at_s < 1
+
+
+def test_sim_fleet_replays_one_schedule_through_a_gateway_per_policy(tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    argv = ["bench", "replay", "--sim-fleet", "2", "--policies", "prefix_aware,round_robin"]
+    main([*argv, "--shared-prefix", "4,8,512,64,8", "--rate", "10", "--duration", "2", "--json", str(out)])
+    payload = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert payload["sim_fleet"]["count"] == 2 and payload["sim_fleet"]["num_blocks"] == FLEET_NUM_BLOCKS
+    rows = payload["policies"]
+    assert list(rows) == ["prefix_aware", "round_robin"]
+    sent = len(shared_prefix_arrivals(shared_prefix_workload(4, 8, 512, 64, 8), 10, 2))
+    for row in rows.values():
+        assert row["sent"] == row["completed"] == sent > 5 and row["errors"] == {}
+        assert set(row["requests_per_replica"]) <= {"w0", "w1"}
+        assert sum(row["requests_per_replica"].values()) == sent
+        assert 0 < row["ttft_s"]["p50"] <= row["e2e_s"]["p99"]
+        assert row["imbalance"] >= 1
+    assert rows["round_robin"]["imbalance"] <= 1 + 2 / sent  # alternating: off by one at most
+    assert rows["prefix_aware"]["hit_rate"] > 0
+
+
+def test_sim_fleet_alone_runs_the_default_comparison_and_a_url_needs_a_workload() -> None:
+    args = build_parser().parse_args(["bench", "replay", "--sim-fleet", "4"])
+    fill_fleet_defaults(args)
+    assert (args.shared_prefix, args.rate, args.duration, args.policies) == (
+        FLEET_WORKLOAD,
+        FLEET_RATE,
+        FLEET_DURATION_S,
+        FLEET_POLICIES,
+    )
+    with pytest.raises(SystemExit, match="give a workload"):
+        fill_fleet_defaults(
+            build_parser().parse_args(["bench", "replay", "--url", "http://x", "--duration", "1"])
+        )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "replay", "--sim-fleet", "2", "--policies", "prefix_aware,nope"])
+
+
+def test_imbalance_counts_idle_replicas_in_the_mean() -> None:
+    assert imbalance({"w0": 6, "w1": 2}, 2) == pytest.approx(1.5)
+    assert imbalance({"w0": 8}, 4) == pytest.approx(4.0)
+    assert imbalance({}, 3) == 0.0

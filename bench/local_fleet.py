@@ -1,0 +1,189 @@
+"""Real processes for the benchmarks that measure HTTP hops: simulated workers and a gateway, each
+started from the `prefixgate` command line as a process of its own.
+
+Separate processes because the load generator, the workers and the gateway must not share one
+interpreter lock: in one process each would queue behind the others' Python and the measurement
+would be of the lock. Started from the CLI because that is what an operator runs. Every process is
+stopped on the way out (SIGINT, then SIGKILL), errors included; each writes to a log file in the
+work folder, whose tail is shown when a process fails to start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from workers.sim.profiles import get_profile
+
+# Each process imports the worker stack (torch included, about 4 s of CPU); a fleet of five starting
+# at once on two shared cores needs a good margin.
+START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 10.0
+POLL_S = 0.2
+LOG_TAIL_CHARS = 3000
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (the kernel's pick; a race only with other starters)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class SimWorkers:
+    """`count` simulated workers, each with this profile (a name or a calibrate .json) and pool."""
+
+    count: int
+    profile: str = "h100-8b"
+    block_size: int | None = None  # None: the profile's
+    num_blocks: int | None = None  # None: the profile's pool
+
+    @property
+    def model(self) -> str:
+        return get_profile(self.profile).model_name
+
+
+@dataclass(slots=True)
+class Child:
+    """One started process and the base URL it serves."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        except OSError:
+            return ""
+
+
+@dataclass(slots=True)
+class LocalFleet:
+    workers: list[Child]
+    gateway: Child | None
+
+    @property
+    def children(self) -> list[Child]:
+        return [*self.workers, *([self.gateway] if self.gateway else [])]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gateway.cli", *args]
+
+
+def worker_command(spec: SimWorkers, worker_id: str, port: int) -> list[str]:
+    command = _cli("worker", "--sim", "--sim-profile", spec.profile, "--port", str(port), "--id", worker_id)
+    if spec.block_size is not None:
+        command += ["--block-size", str(spec.block_size)]
+    if spec.num_blocks is not None:
+        command += ["--num-blocks", str(spec.num_blocks)]
+    return [*command, "--log-level", "WARNING"]
+
+
+def gateway_config(model: str, worker_urls: Sequence[str], policy: str, port: int) -> dict[str, Any]:
+    """Embedded mode (no Redis) over the given workers. The model routes on the token ids the clients
+    send, so the gateway loads no tokenizer (`none`): it would only slow the first request."""
+    return {
+        "model": model,
+        "models": {model: {"tokenizer": "none"}},
+        "listen": {"host": "127.0.0.1", "port": port},
+        "replicas": [{"url": url} for url in worker_urls],
+        "routing": {"policy": policy},
+    }
+
+
+def _spawn(name: str, command: list[str], url: str, workdir: Path) -> Child:
+    log = workdir / f"{name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return Child(name, url, proc, log)
+
+
+def _ready(child: Child, replicas: int | None) -> bool:
+    """Its /health answers 200; for a gateway, with every one of `replicas` routable."""
+    try:
+        response = httpx.get(f"{child.url}/health", timeout=1.0)
+    except httpx.HTTPError:
+        return False
+    if response.status_code != 200:
+        return False
+    return replicas is None or response.json()["replicas"]["routable"] == replicas
+
+
+def wait_ready(fleet: LocalFleet, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Until every worker and the gateway (all replicas routable) answer, or RuntimeError naming the
+    process that died or did not come up, with the tail of its log."""
+    deadline = time.monotonic() + timeout_s
+    waiting = list(fleet.children)
+    while waiting:
+        for child in waiting:
+            if child.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{child.name} exited with status {child.proc.returncode} while starting:\n"
+                    f"{child.log_tail()}"
+                )
+        replicas = len(fleet.workers)
+        waiting = [c for c in waiting if not _ready(c, replicas if c is fleet.gateway else None)]
+        if waiting and time.monotonic() > deadline:
+            child = waiting[0]
+            raise RuntimeError(
+                f"{child.name} at {child.url} not ready in {timeout_s:.0f} s:\n{child.log_tail()}"
+            )
+        if waiting:
+            time.sleep(POLL_S)
+
+
+def stop(children: Sequence[Child], timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGINT to all (aiohttp's graceful stop), then SIGKILL to any still running at the deadline."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + timeout_s
+    for child in children:
+        try:
+            child.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+
+
+@contextlib.contextmanager
+def local_fleet(workdir: Path, workers: SimWorkers, policy: str | None = None) -> Iterator[LocalFleet]:
+    """`workers` fresh simulated workers (empty caches) and, given a policy, a gateway in front of them,
+    all started at once (the gateway retries replicas until they answer) and ready when this yields."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    fleet = LocalFleet([], None)
+    try:
+        for i in range(workers.count):
+            port = free_port()
+            command = worker_command(workers, f"w{i}", port)
+            fleet.workers.append(_spawn(f"worker-w{i}", command, f"http://127.0.0.1:{port}", workdir))
+        if policy is not None:
+            port = free_port()
+            config = workdir / f"gateway-{policy}.yaml"
+            urls = [w.url for w in fleet.workers]
+            config.write_text(yaml.safe_dump(gateway_config(workers.model, urls, policy, port)))
+            command = _cli("serve", "--config", str(config), "--log-level", "WARNING")
+            fleet.gateway = _spawn(f"gateway-{policy}", command, f"http://127.0.0.1:{port}", workdir)
+        wait_ready(fleet)
+        yield fleet
+    finally:
+        stop(fleet.children)

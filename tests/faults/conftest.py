@@ -1,0 +1,5 @@
+"""Fault tests run real fleets: the gateway tests' fixtures, shared."""
+
+from tests.gateway.conftest import start_gateway, start_sim_worker
+
+__all__ = ["start_gateway", "start_sim_worker"]

@@ -1,0 +1,96 @@
+"""A replica SIGKILLed under load: requests that have not streamed a byte are retried on the next
+choice and succeed, a streaming one ends with an error event and [DONE], nothing hangs, and the
+dead replica leaves the rotation, then rejoins with a cleared cache once restarted."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+from tests.gateway.conftest import SIM_MODEL, RunningGateway, sim_worker_args
+from tests.gateway.test_shared_state import wait_for
+
+
+@pytest.fixture
+def spawn_worker() -> Iterator[Callable[[str, int], subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn(worker_id: str, port: int) -> subprocess.Popen[bytes]:
+        args = sim_worker_args(worker_id, port, "--log-level", "WARNING")
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args])
+        procs.append(proc)
+
+        def healthy() -> bool:
+            assert proc.poll() is None, f"worker {worker_id} exited with {proc.returncode}"
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, f"worker {worker_id}", timeout=60)
+        return proc
+
+    yield spawn
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def long_request(gateway: RunningGateway, stream: bool) -> httpx.Response:
+    body = {
+        "model": SIM_MODEL,
+        "prompt": list(range(1000, 1200)),
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    return httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60)
+
+
+def test_a_killed_replica_costs_no_request_that_had_not_started_streaming(
+    spawn_worker: Callable[[str, int], subprocess.Popen[bytes]],
+    start_gateway: Callable[..., RunningGateway],
+) -> None:
+    ports = {"k0": free_port(), "k1": free_port()}
+    procs = {rid: spawn_worker(rid, port) for rid, port in ports.items()}
+    gateway = start_gateway(
+        [f"http://127.0.0.1:{p}" for p in ports.values()],
+        routing={"policy": "round_robin"},
+        health={"interval_s": 0.2, "failures": 2, "load_interval_s": 0.05},
+    )
+    body = {"model": SIM_MODEL, "prompt": list(range(1000, 1100)), "max_tokens": 2000, "ignore_eos": True}
+    with ThreadPoolExecutor(8) as pool:
+        with httpx.stream("POST", f"{gateway.url}/v1/completions", json={**body, "stream": True}) as response:
+            lines = response.iter_lines()  # held: a dropped iterator closes the stream
+            next(lines)
+            victim = response.headers["x-prefixgate-replica"]
+            # Round robin puts half of these on the victim too; none has answered when it dies.
+            pending = [pool.submit(long_request, gateway, False) for _ in range(6)]
+            time.sleep(0.3)
+            procs[victim].send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            tail = [line for line in lines if line]
+        answers = [f.result(timeout=60) for f in pending]
+    survivor = next(rid for rid in ports if rid != victim)
+    # Non-streaming requests had sent nothing to their clients: every one retried and served.
+    assert [a.status_code for a in answers] == [200] * 6
+    assert {a.headers["x-prefixgate-replica"] for a in answers} == {survivor}
+    # The stream had: it ends with an OpenAI-style error event, then [DONE].
+    assert tail[-1] == "data: [DONE]" and "upstream_failed" in tail[-2]
+    down_since = wait_for(lambda: gateway.gw.replicas.get(victim).down_since, "the victim to leave")
+    assert down_since - killed < 2.0
+    assert {long_request(gateway, False).headers["x-prefixgate-replica"] for _ in range(4)} == {survivor}
+    # Restarted on the same port: back in the rotation, with the old cache forgotten.
+    spawn_worker(victim, ports[victim])
+    wait_for(lambda: gateway.gw.replicas.get(victim).routable, "the victim to rejoin", timeout=10)
+    assert gateway.gw.index.blocks_of(victim) == 0
+    assert victim in {long_request(gateway, False).headers["x-prefixgate-replica"] for _ in range(4)}
