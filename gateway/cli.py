@@ -1,90 +1,64 @@
-"""`prefixgate`: the one command line for the gateway, the workers and the benchmarks."""
+"""`prefixgate`: the one command line for the gateway, the workers and the benchmarks.
+
+Each command's module is imported only when that command runs (or when a full parser is asked for):
+the benchmarks and the engine pull in torch, which a gateway process has no use for — it would cost
+seconds of start-up and a couple of hundred MiB of memory.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
+# command -> (module with add_arguments and run, help)
+COMMANDS = {
+    "worker": ("workers.cli", "run a bundled worker (engine + HTTP API)"),
+    "serve": ("gateway.serve", "run the gateway from its YAML config"),
+    "up": ("gateway.up", "the local fleet: a gateway and SmolLM2 workers"),
+}
+BENCHMARKS = {
+    "radix": ("bench.radix_speed", "hashing and index-match speed and memory"),
+    "engine": ("bench.engine", "the engine against HF transformers on one machine"),
+    "fleet": ("bench.fleet", "a trace over simulated replicas (real scheduler)"),
+    "replay": ("bench.replay", "open-loop load against an OpenAI endpoint"),
+    "overhead": ("bench.overhead", "the gateway's added latency and capacity"),
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefixgate", description=__doc__)
+
+def _chosen(argv: list[str] | None, names: dict[str, tuple[str, str]], depth: int) -> set[str]:
+    """The command named at position `depth` of argv (all of them when argv is None or names none)."""
+    if argv is None:
+        return set(names)
+    words = [a for a in argv if not a.startswith("-")]
+    return {words[depth]} & set(names) if len(words) > depth and words[depth] in names else set(names)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; given argv, only the command it names gets its arguments (and its imports)."""
+    parser = argparse.ArgumentParser(prog="prefixgate", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-
-    from workers import cli as worker_cli
-
-    worker_cli.add_arguments(commands.add_parser("worker", help="run a bundled worker (engine + HTTP API)"))
-
-    serve = commands.add_parser("serve", help="run the gateway from its YAML config")
-    serve.add_argument("--config", required=True, help="gateway YAML (see configs/gateway.example.yaml)")
-    serve.add_argument("--host", default=None, help="override listen.host")
-    serve.add_argument("--port", type=int, default=None, help="override listen.port")
-    serve.add_argument("--log-level", default="INFO")
-
-    from gateway import up
-
-    up.add_arguments(commands.add_parser("up", help="the local fleet: a gateway and SmolLM2 workers"))
-
+    wanted = _chosen(argv, {**COMMANDS, "bench": ("", "")}, 0)
+    for name, (module, help_text) in COMMANDS.items():
+        sub = commands.add_parser(name, help=help_text)
+        if name in wanted:
+            importlib.import_module(module).add_arguments(sub)
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-
-    from bench import engine, fleet, overhead, radix_speed, replay
-
-    radix_speed.add_arguments(bench.add_parser("radix", help="hashing and index-match speed and memory"))
-    engine.add_arguments(bench.add_parser("engine", help="the engine against HF transformers on one machine"))
-    fleet.add_arguments(bench.add_parser("fleet", help="a trace over simulated replicas (real scheduler)"))
-    replay.add_arguments(bench.add_parser("replay", help="open-loop load against an OpenAI endpoint"))
-    overhead.add_arguments(bench.add_parser("overhead", help="the gateway's added latency and capacity"))
+    wanted_bench = _chosen(argv, BENCHMARKS, 1) if "bench" in wanted else set()
+    for name, (module, help_text) in BENCHMARKS.items():
+        sub = bench.add_parser(name, help=help_text)
+        if name in wanted_bench:
+            importlib.import_module(module).add_arguments(sub)
     return parser
 
 
-def serve(args: argparse.Namespace) -> int:
-    import logging
-    from pathlib import Path
-
-    from gateway.app import create_app
-    from gateway.app import serve as serve_app
-    from gateway.config import load_config
-    from policies import ConfigError
-
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    try:
-        config = load_config(args.config)
-    except ConfigError as error:
-        print(f"prefixgate serve: {error}", file=sys.stderr)
-        return 2
-    listen = config.listen.model_copy(
-        update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    )
-    config = config.model_copy(update={"listen": listen})
-    serve_app(create_app(config, config_path=Path(args.config)), listen.host, listen.port)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "worker":
-        from workers import cli as worker_cli
-
-        return worker_cli.run(args)
-    if args.command == "serve":
-        return serve(args)
-    if args.command == "up":
-        from gateway import up
-
-        return up.run(args)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     if args.command == "bench":
-        from bench import engine, fleet, overhead, radix_speed, replay
-
-        runners = {
-            "radix": radix_speed.run,
-            "engine": engine.run,
-            "fleet": fleet.run,
-            "replay": replay.run,
-            "overhead": overhead.run,
-        }
-        runners[args.bench](args)
-    return 0
+        importlib.import_module(BENCHMARKS[args.bench][0]).run(args)
+        return 0
+    return importlib.import_module(COMMANDS[args.command][0]).run(args)
 
 
 if __name__ == "__main__":

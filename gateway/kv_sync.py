@@ -44,6 +44,10 @@ BLOCK_MS = 1000
 READ_COUNT = 256
 # A snapshot holds every cached hash of a worker: allow it time, but not a hung connect.
 SNAPSHOT_TIMEOUT = aiohttp.ClientTimeout(total=30.0, sock_connect=5.0)
+# The least time between two reads of one worker's events. Under load a worker seals a batch every
+# step, and a read per batch cost the gateway as much CPU as the requests it routed; waiting this long
+# takes them in bursts, for an index at most this much staler.
+MIN_READ_INTERVAL_S = 0.02
 RETRY_FIRST_S = 0.05
 RETRY_MAX_S = 2.0
 # Incarnations seen to end: their late stream entries (a stopping worker flushes its last batches) are
@@ -177,6 +181,14 @@ def _recovered(state: SyncState, backoff: Backoff) -> None:
     state.last_error = None
 
 
+async def _pace(started: float) -> None:
+    """Hold the next read until MIN_READ_INTERVAL_S after this one began (a long-poll that waited
+    that long already goes again at once)."""
+    rest = MIN_READ_INTERVAL_S - (time.monotonic() - started)
+    if rest > 0:
+        await asyncio.sleep(rest)
+
+
 # -- HTTP transport ---------------------------------------------------------------------------------
 
 
@@ -196,6 +208,7 @@ async def follow_http(
     """
     backoff = Backoff(most_s=retry_max_s)
     while True:
+        started = time.monotonic()
         try:
             if not state.synced:
                 await resync(state, index, session)
@@ -204,6 +217,7 @@ async def follow_http(
             await asyncio.sleep(_failed(state, backoff, error))
             continue
         _recovered(state, backoff)
+        await _pace(started)
 
 
 async def _poll(
@@ -299,6 +313,7 @@ async def follow_redis(
     backoff = Backoff(most_s=retry_max_s)
     retired: deque[str] = deque(maxlen=RETIRED_INCARNATIONS)
     while True:
+        started = time.monotonic()
         try:
             if state.stream_id is None:
                 tail = await stream_tail(redis, key)
@@ -314,6 +329,7 @@ async def follow_redis(
         _recovered(state, backoff)
         # A full read may have left more behind it, the next of them newer than the last one read.
         state.behind_since = entry_time(entries[-1][0]) if len(entries) >= count else None
+        await _pace(started)
 
 
 async def _consume(

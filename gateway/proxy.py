@@ -25,8 +25,7 @@ from aiohttp import web
 from gateway.gateway import Gateway
 from gateway.replicas import Replica
 from gateway.router import Decision
-from workers.openai_api import SSE_DONE, ApiError, sse
-from workers.server import CACHED_TOKENS_HEADER
+from workers.openai_api import CACHED_TOKENS_HEADER, SSE_DONE, ApiError, sse
 
 REPLICA_HEADER = "x-prefixgate-replica"
 MATCHED_BLOCKS_HEADER = "x-prefixgate-matched-blocks"

@@ -30,6 +30,9 @@ MAX_TEMPERATURE = 2.0
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _SEED_RANGE = (-(2**63), 2**64 - 1)
+# Response header with the prompt tokens served from the prefix cache, known at the first token: the
+# gateway reads it instead of parsing the stream for the usage chunk.
+CACHED_TOKENS_HEADER = "x-prefixgate-cached-tokens"
 _ERROR_TYPES = {429: "rate_limit_exceeded", 503: "service_unavailable"}
 
 # Options this worker does not implement, with the values that mean "off" (accepted and ignored).

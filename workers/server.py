@@ -31,6 +31,7 @@ from workers.engine.scheduler import SchedulerStats, UnschedulableSequence
 from workers.kv_events import EventBatch, EventsGone, KVEventLog
 from workers.metrics import CONTENT_TYPE, WorkerMetrics
 from workers.openai_api import (
+    CACHED_TOKENS_HEADER,
     SSE_DONE,
     ApiError,
     GenerationRequest,
@@ -267,11 +268,6 @@ async def _first_output(outs: AsyncIterator[RequestOutput]) -> RequestOutput:
         raise ApiError(400, str(error), param="max_tokens", code="request_too_large") from None
     except RuntimeError as error:
         raise _engine_failed(error) from None
-
-
-# Prompt tokens served from the prefix cache, known at the first token: the gateway reads it from the
-# headers instead of parsing the stream for the usage chunk.
-CACHED_TOKENS_HEADER = "x-prefixgate-cached-tokens"
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:

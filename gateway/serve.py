@@ -1,0 +1,35 @@
+"""`prefixgate serve --config gateway.yaml`: the gateway process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from gateway.app import create_app, serve
+from gateway.config import load_config
+from policies import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="gateway YAML (see configs/gateway.example.yaml)")
+    parser.add_argument("--host", default=None, help="override listen.host")
+    parser.add_argument("--port", type=int, default=None, help="override listen.port")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = load_config(args.config)
+    except ConfigError as error:
+        print(f"prefixgate serve: {error}", file=sys.stderr)
+        return 2
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    listen = config.listen.model_copy(update=overrides)
+    config = config.model_copy(update={"listen": listen})
+    serve(create_app(config, config_path=Path(args.config)), listen.host, listen.port)
+    return 0
