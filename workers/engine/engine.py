@@ -11,17 +11,17 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from workers.engine.batch import Runner
 from workers.engine.block_manager import BlockManager
 from workers.engine.detokenizer import Decoder, Detokenizer
-from workers.engine.loader import LoadedModel
-from workers.engine.model_runner import ModelRunner, num_blocks_for_budget
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats, UnschedulableSequence
 from workers.engine.sequence import FinishReason, Sequence
+
+if TYPE_CHECKING:
+    from workers.engine.loader import LoadedModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +88,12 @@ class Engine:
         on_cleared: ClearedCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # The model's modules load torch; imported here so that the simulated engine, which shares this
+        # loop and never calls this constructor, runs without it.
+        import torch
+
+        from workers.engine.model_runner import ModelRunner, num_blocks_for_budget
+
         self.config = config = config or EngineConfig()
         self.model_config = loaded.config
         weight = loaded.model.model.embed_tokens.weight

@@ -8,15 +8,20 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from workers.engine.engine import Engine, EngineConfig, RequestOutput
-from workers.engine.loader import DEFAULT_MODEL_NAME, LoadedModel, load_default_model, load_model
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import SchedulerStats
+
+if TYPE_CHECKING:
+    from workers.engine.loader import LoadedModel
 
 
 def load(model: str | None = None, device: str = "cpu") -> LoadedModel:
     """A model by path (HF folder or .gguf); None or the default's name is SmolLM2 from its package."""
+    from workers.engine.loader import DEFAULT_MODEL_NAME, load_default_model, load_model
+
     if model in (None, "default", DEFAULT_MODEL_NAME):
         return load_default_model(device=device)
     return load_model(model, device=device)
@@ -44,7 +49,7 @@ class LLM:
     """Offline generation: all prompts queued at once, continuous batching until every one is done."""
 
     def __init__(self, model: str | LoadedModel | None = None, config: EngineConfig | None = None) -> None:
-        loaded = model if isinstance(model, LoadedModel) else load(model)
+        loaded = load(model) if model is None or isinstance(model, str) else model
         self.engine = Engine(loaded, config)
         self.tokenizer = loaded.tokenizer
 
@@ -90,6 +95,11 @@ class AsyncLLM:
         future: Future = Future()
 
         def run() -> None:
+            # A caller that left before its turn (a client gone, a /load that timed out) cancelled the
+            # future: skip the command. Setting a cancelled future's result would raise here and end
+            # this thread, and with it every request the worker will ever serve.
+            if not future.set_running_or_notify_cancel():
+                return
             try:
                 future.set_result(fn())
             except BaseException as error:  # handed to the awaiting caller, never lost
@@ -110,7 +120,17 @@ class AsyncLLM:
             self._streams[request_id] = (loop, deltas)
             return request_id
 
-        request_id = await asyncio.wrap_future(self._call(add))
+        def abort_if_added() -> None:
+            # Runs after `add` (commands run in order): a request added for a caller gone is aborted.
+            if not added.cancelled() and added.exception() is None:
+                self._abort(added.result())
+
+        added = self._call(add)
+        try:
+            request_id = await asyncio.wrap_future(added)
+        except asyncio.CancelledError:
+            self._call(abort_if_added)
+            raise
         finished = False
         try:
             while not finished:
