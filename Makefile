@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TRACE ?= ../shared/traces/mooncake/conversation_trace.jsonl
 OUT ?= out
 
-.PHONY: demo test lint bench-radix bench-fleet redis-server clean
+.PHONY: demo test lint bench-radix bench-fleet redis-server prometheus-server clean
 
 # The torch pin comes first: it is the CPU build on this machine's disk, and installing it before
 # the project keeps any dependency from pulling a multi-GB CUDA build.
@@ -27,7 +27,17 @@ redis-server:
 	    echo "redis-server is missing: install it (apt-get install redis-server) or run as root" >&2; exit 1; \
 	  fi; }
 
-test: $(VENV)/.installed redis-server
+# tests/deploy runs every Grafana query against a real Prometheus: Debian's package, like redis-server.
+prometheus-server:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian's prometheus"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	  else \
+	    echo "prometheus is missing: install it (apt-get install prometheus) or run as root" >&2; exit 1; \
+	  fi; }
+
+test: $(VENV)/.installed redis-server prometheus-server
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 

@@ -1,0 +1,5 @@
+"""Deployment tests run a real fleet for Prometheus to scrape: the gateway tests' fixtures, shared."""
+
+from tests.gateway.conftest import start_gateway, start_sim_worker
+
+__all__ = ["start_gateway", "start_sim_worker"]
