@@ -56,5 +56,9 @@ bench-fleet: $(VENV)/.installed
 bench-radix: $(VENV)/.installed
 	$(VENV)/bin/prefixgate bench radix --json $(OUT)/bench_radix.json
 
+# Fault scenarios on real processes (killed and stuck replicas, Redis down, overload, disconnects).
+chaos: $(VENV)/.installed redis-server
+	$(VENV)/bin/prefixgate bench chaos --json $(OUT)/chaos.json
+
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache .ruff_cache .hypothesis

@@ -11,6 +11,7 @@ work folder, whose tail is shown when a process fails to start.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from workers.sim.profiles import get_profile
 # at once on two shared cores needs a good margin.
 START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 10.0
+REDIS_START_TIMEOUT_S = 10.0
 POLL_S = 0.2
 LOG_TAIL_CHARS = 3000
 
@@ -85,12 +87,12 @@ class LocalFleet:
         return [*self.workers, *([self.gateway] if self.gateway else [])]
 
 
-def _cli(*args: str) -> list[str]:
+def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "gateway.cli", *args]
 
 
 def worker_command(spec: SimWorkers, worker_id: str, port: int) -> list[str]:
-    command = _cli("worker", "--sim", "--sim-profile", spec.profile, "--port", str(port), "--id", worker_id)
+    command = cli("worker", "--sim", "--sim-profile", spec.profile, "--port", str(port), "--id", worker_id)
     if spec.block_size is not None:
         command += ["--block-size", str(spec.block_size)]
     if spec.num_blocks is not None:
@@ -110,7 +112,7 @@ def gateway_config(model: str, worker_urls: Sequence[str], policy: str, port: in
     }
 
 
-def _spawn(name: str, command: list[str], url: str, workdir: Path) -> Child:
+def spawn(name: str, command: list[str], url: str, workdir: Path) -> Child:
     log = workdir / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -126,6 +128,38 @@ def _ready(child: Child, replicas: int | None) -> bool:
     if response.status_code != 200:
         return False
     return replicas is None or response.json()["replicas"]["routable"] == replicas
+
+
+def _pong(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def start_redis(workdir: Path, port: int | None = None, timeout_s: float = REDIS_START_TIMEOUT_S) -> Child:
+    """A private redis-server on 127.0.0.1 (a free port by default) with no persistence, answering PING
+    when this returns; its `url` is the redis:// URL to hand to workers and gateways. `stop` ends it
+    like any other child (SIGINT: redis-server shuts down at once, saving nothing)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed (apt-get install redis-server, or `make test`)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    command = [
+        binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", "",
+        "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning",
+    ]  # fmt: skip
+    child = spawn(f"redis-{port}", command, f"redis://127.0.0.1:{port}/0", workdir)
+    deadline = time.monotonic() + timeout_s
+    while not _pong(port):
+        if child.proc.poll() is not None or time.monotonic() > deadline:
+            stop([child])
+            raise RuntimeError(f"redis-server on port {port} did not start:\n{child.log_tail()}")
+        time.sleep(0.05)
+    return child
 
 
 def wait_ready(fleet: LocalFleet, timeout_s: float = START_TIMEOUT_S) -> None:
@@ -175,14 +209,14 @@ def local_fleet(workdir: Path, workers: SimWorkers, policy: str | None = None) -
         for i in range(workers.count):
             port = free_port()
             command = worker_command(workers, f"w{i}", port)
-            fleet.workers.append(_spawn(f"worker-w{i}", command, f"http://127.0.0.1:{port}", workdir))
+            fleet.workers.append(spawn(f"worker-w{i}", command, f"http://127.0.0.1:{port}", workdir))
         if policy is not None:
             port = free_port()
             config = workdir / f"gateway-{policy}.yaml"
             urls = [w.url for w in fleet.workers]
             config.write_text(yaml.safe_dump(gateway_config(workers.model, urls, policy, port)))
-            command = _cli("serve", "--config", str(config), "--log-level", "WARNING")
-            fleet.gateway = _spawn(f"gateway-{policy}", command, f"http://127.0.0.1:{port}", workdir)
+            command = cli("serve", "--config", str(config), "--log-level", "WARNING")
+            fleet.gateway = spawn(f"gateway-{policy}", command, f"http://127.0.0.1:{port}", workdir)
         wait_ready(fleet)
         yield fleet
     finally:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.config import GatewayConfig, ReplicaEntry, load_config
 from gateway.gateway import Gateway
@@ -45,6 +46,8 @@ CONFIG_PATH = web.AppKey("config_path", Path)
 # Token ids are packed as uint32 for hashing: the widest vocabulary a model without tokenizer may use.
 UNKNOWN_VOCAB = 2**32
 CLIENT_GONE = 499
+# Seconds a client refused for overload is told to wait (Retry-After), as the workers tell theirs.
+RETRY_AFTER_S = 1
 
 
 # -- the OpenAI API -------------------------------------------------------------------------------
@@ -91,7 +94,26 @@ def _session_key(gw: Gateway, request: web.Request, body: dict[str, Any]) -> str
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    """One generation request, counted in the gateway's in-flight total from before its body is read
+    until its response ends (or its client leaves): past `limits.max_inflight` it is refused with 429
+    before it costs anything, which is what bounds the gateway's memory under a burst."""
     gw = request.app[GATEWAY]
+    limit = gw.config.limits.max_inflight
+    if gw.inflight >= limit:
+        raise ApiError(
+            429,
+            f"the gateway is at its limit of {limit} requests in flight; retry shortly",
+            code="gateway_overloaded",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    gw.inflight += 1
+    try:
+        return await _route_and_forward(gw, request, chat)
+    finally:
+        gw.inflight -= 1
+
+
+async def _route_and_forward(gw: Gateway, request: web.Request, chat: bool) -> web.StreamResponse:
     arrival = time.monotonic()
     raw = await request.read()
     body = parse_json(raw)
@@ -204,7 +226,7 @@ async def add_replica(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     body = parse_json(await request.read())
     try:
-        entry = ReplicaEntry.model_validate(body)
+        entry = ReplicaEntry.model_validate(body, strict=True)  # JSON types as they are: no "16", no true
     except ValueError as error:
         raise ApiError(400, f"invalid replica: {error}", code="invalid_value") from None
     replica = await gw.add_entry(entry, "admin")
@@ -314,6 +336,11 @@ async def _errors(
         if request.path.startswith("/v1/") and request.method == "POST":
             gw.metrics.requests.labels("", "", gw.policy.name, str(error.status)).inc()
         return web.json_response(error.to_json(), status=error.status, headers=error.headers)
+    except RequestPayloadError as error:
+        # A body aiohttp could not read: a corrupt gzip or deflate stream, a broken chunked encoding.
+        detail = getattr(error.__cause__, "message", None) or str(error.__cause__ or error)
+        api = ApiError(400, f"the body could not be read: {detail}", code="invalid_body")
+        return web.json_response(api.to_json(), status=400)
     except web.HTTPException as error:
         if error.status < 400:
             raise

@@ -23,6 +23,8 @@ BENCHMARKS = {
     "fleet": ("bench.fleet", "a trace over simulated replicas (real scheduler)"),
     "replay": ("bench.replay", "open-loop load against an OpenAI endpoint"),
     "overhead": ("bench.overhead", "the gateway's added latency and capacity"),
+    "chaos": ("bench.chaos", "fault scenarios on a live fleet, with a results table"),
+    "soak": ("bench.soak", "minutes of load through two gateways: memory, index size, errors"),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -42,6 +43,10 @@ class RedisSection(_Section):
     url: str
     # How often the replica registry and load reports are read.
     poll_interval_s: float = Field(0.5, gt=0)
+    # A healthy replica missing from the registry stays this long before it is dropped: a Redis that
+    # restarted empty (or was flushed) lists nobody until the workers' next heartbeats. One that also
+    # fails its health checks is dropped at once.
+    registry_grace_s: float = Field(5.0, ge=0)
 
 
 class ReplicaEntry(_Section):
@@ -61,6 +66,14 @@ class ReplicaEntry(_Section):
     def _http(cls, url: str) -> str:
         if not url.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 (raises ValueError for a port that is not a number in range)
+            url.encode()
+        except (ValueError, UnicodeError) as error:
+            raise ValueError(f"is not a valid URL: {error}") from None
+        if not parts.hostname:
+            raise ValueError("names no host")
         return url.rstrip("/")
 
 
@@ -76,6 +89,12 @@ class Limits(_Section):
     connect_timeout_s: float = Field(2.0, gt=0)
     # Replicas tried for one request before giving up (the policy's order, then fallbacks).
     max_attempts: int = Field(2, ge=1)
+    # Generation requests this gateway holds at once (reading, routing, forwarding, relaying); one
+    # more is refused at once with 429 and Retry-After. It bounds the gateway's memory, and the work a
+    # burst puts on its one event loop: past about a thousand arrivals at once (measured on 2 shared
+    # cores, tests/faults/test_overload.py) the loop lags by seconds, its upstream connects time out,
+    # and busy replicas are taken for dead ones.
+    max_inflight: int = Field(1024, ge=1)
 
 
 class Health(_Section):

@@ -46,7 +46,8 @@ async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float) 
             if response.status != 200:
                 raise ProbeFailed(f"GET {url} answered {response.status}")
             text = await response.text()
-    except (TimeoutError, aiohttp.ClientError, OSError) as error:
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as error:
+        # ValueError: a URL aiohttp cannot send (credentials it cannot encode, say) is one that fails.
         raise ProbeFailed(f"GET {url} failed: {error!r}") from None
     try:
         return json.loads(text) if text.strip() else None

@@ -53,6 +53,10 @@ class Gateway:
     tokenizers: Tokenizers = field(init=False)
     # Whether the last registry read reached Redis (None: no Redis configured).
     redis_ok: bool | None = None
+    # Generation requests in the gateway now, from arrival to the end of the response (app.py).
+    inflight: int = 0
+    # Registry replicas missing from the last registry reads, and since when (monotonic).
+    _unlisted: dict[str, float] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -233,8 +237,17 @@ class Gateway:
                 replica = self.activate(item.probe, "registry")
             if item.load is not None and item.load.at > replica.report.at:
                 replica.report = item.load
+        now = time.monotonic()
+        grace = self.config.redis.registry_grace_s if self.config.redis is not None else 0.0
+        for rid in [rid for rid in self._unlisted if rid in live or rid not in self.replicas]:
+            del self._unlisted[rid]
         for replica in self.replicas.all():
-            if replica.source == "registry" and replica.id not in live:
+            if replica.source != "registry" or replica.id in live:
+                continue
+            # Unlisted: it left (deregistered, or its heartbeat expired), or Redis lost the registry.
+            # A replica that still answers its health checks gets the grace to re-register.
+            since = self._unlisted.setdefault(replica.id, now)
+            if not replica.healthy or now - since >= grace:
                 await self.deactivate(replica.id)
 
     async def reload(self, config: GatewayConfig) -> None:
@@ -260,6 +273,7 @@ class Gateway:
     def refresh_metrics(self) -> None:
         m = self.metrics
         m.index_entries.set(len(self.index))
+        m.inflight.set(self.inflight)
         if self.redis_ok is not None:
             m.redis_up.set(1 if self.redis_ok else 0)
         for r in self.replicas.all():

@@ -93,6 +93,11 @@ class GatewayMetrics:
             ("replica", "model"),
             registry=registry,
         )
+        self.inflight = Gauge(
+            "prefixgate_gateway_inflight_requests",
+            "Generation requests in the gateway now, from arrival to the end of the response",
+            registry=registry,
+        )
         self.replica_inflight = Gauge(
             "prefixgate_gateway_replica_inflight",
             "Requests this gateway has in flight on the replica",

@@ -6,8 +6,11 @@ foreign backend from the usage object at the end of its response.
 
 A replica that cannot be reached, or refuses for overload (429, 503), is skipped for the next in
 the policy's order while nothing has been sent to the client yet. Once bytes flow, the request is
-that replica's. A client that goes away cancels this handler (aiohttp handler cancellation), which
-closes the upstream connection, which makes a bundled worker abort the sequence and free its blocks.
+that replica's. When every choice fails, the client gets a replica's refusal if there was one (429 or
+503, with its Retry-After: the fleet is full, not broken), else 504 if the last attempt timed out
+(`limits.request_timeout_s`), else 502. A client that goes away cancels this handler (aiohttp handler
+cancellation), which closes the upstream connection, which makes a bundled worker abort the sequence
+and free its blocks.
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
             headers={"Retry-After": "1"},
         )
     last_error = ""
+    # How the last failed attempt ended: "timeout" (no answer in time), "refused" (429/503), other.
+    last_kind = ""
+    refusal: ApiError | None = None
     for attempt, rid in enumerate(order):
         replica = gw.replicas.get(rid)
         if replica is None:
@@ -135,11 +141,14 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
                 gw.mark_failure(replica)
                 gw.metrics.upstream_errors.labels(rid, type(error).__name__).inc()
                 last_error = f"replica {rid} could not be reached: {error!r}"
+                last_kind = "timeout" if isinstance(error, TimeoutError) else "error"
                 continue
             try:
                 if upstream.status in _RETRY_ELSEWHERE and not final:
                     gw.metrics.upstream_errors.labels(rid, f"http_{upstream.status}").inc()
                     last_error = f"replica {rid} answered {upstream.status}"
+                    last_kind = "refused"
+                    refusal = _refusal(upstream.status, upstream.headers, routed.model)
                     continue
                 if routed.stream and upstream.status == 200:
                     first = await upstream.content.readany()
@@ -150,6 +159,7 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
                 gw.mark_failure(replica)
                 gw.metrics.upstream_errors.labels(rid, type(error).__name__).inc()
                 last_error = f"replica {rid} failed mid-response: {error!r}"
+                last_kind = "timeout" if isinstance(error, TimeoutError) else "error"
                 continue
             finally:
                 # Back to the pool when read to the end; closed otherwise (the client left, or a
@@ -157,11 +167,33 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
                 upstream.release()
         finally:
             gw.replicas.finished(replica, handle)
+    if refusal is not None:
+        # A replica that is up but full said when to come back: that, not a 5xx, is the answer for a
+        # client whose other choices could not be reached either.
+        raise refusal
+    if last_kind == "timeout":
+        raise ApiError(
+            504,
+            f"no replica tried for {routed.model!r} answered in time (limits: connect_timeout_s "
+            f"{limits.connect_timeout_s:g}, request_timeout_s {limits.request_timeout_s:g}); "
+            f"last: {last_error}",
+            code="upstream_timeout",
+        )
     raise ApiError(
         502,
         f"every replica tried for {routed.model!r} failed; last: {last_error}",
         code="upstream_unavailable",
     )
+
+
+def _refusal(status: int, headers: Mapping[str, str], model: str) -> ApiError:
+    """A replica's 429/503 as the gateway's own answer, keeping its Retry-After (1 s if it gave none)."""
+    retry_after = headers.get("Retry-After", "1")
+    if status == 429:
+        message, code = f"every replica tried for {model!r} is at its queue limit", "queue_full"
+    else:
+        message, code = f"the replicas tried for {model!r} are unavailable", "unavailable"
+    return ApiError(status, f"{message}; retry shortly", code=code, headers={"Retry-After": retry_after})
 
 
 def _account(gw: Gateway, routed: Routed, replica: Replica, status: int, cached: int | None) -> None:
@@ -224,10 +256,14 @@ async def _relay_stream(
             await response.write(chunk)
             tail = (tail + chunk)[-_TAIL_BYTES:]
     except (TimeoutError, aiohttp.ClientError) as error:
-        status = 502
         gw.mark_failure(replica)
         gw.metrics.upstream_errors.labels(replica.id, type(error).__name__).inc()
-        failed = ApiError(502, f"replica {replica.id} failed mid-stream: {error!r}", code="upstream_failed")
+        if isinstance(error, TimeoutError):  # silent for limits.request_timeout_s: stuck, or far too slow
+            silent = gw.config.limits.request_timeout_s
+            message, code, status = f"sent nothing for {silent:g} s mid-stream", "upstream_timeout", 504
+        else:
+            message, code, status = f"failed mid-stream: {error!r}", "upstream_failed", 502
+        failed = ApiError(status, f"replica {replica.id} {message}", code=code)
         await response.write(sse(failed.to_json()) + SSE_DONE)
     await response.write_eof()
     _account(gw, routed, replica, status, _cached_tokens(upstream.headers, tail))

@@ -35,16 +35,17 @@ _SEED_RANGE = (-(2**63), 2**64 - 1)
 CACHED_TOKENS_HEADER = "x-prefixgate-cached-tokens"
 _ERROR_TYPES = {429: "rate_limit_exceeded", 503: "service_unavailable"}
 
-# Options this worker does not implement, with the values that mean "off" (accepted and ignored).
+# Options this worker does not implement, with the values that mean "off" (accepted and ignored). The
+# type counts too: `"echo": 0` or `"logit_bias": false` is refused as OpenAI refuses it.
 _OFF_VALUES: dict[str, Callable[[Any], bool]] = {
-    "best_of": lambda v: v in (None, 1),
-    "echo": lambda v: v in (None, False),
-    "suffix": lambda v: v in (None, ""),
-    "logit_bias": lambda v: not v,
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "tools": lambda v: not v,
-    "functions": lambda v: not v,
+    "best_of": lambda v: v is None or (_is_int(v) and v == 1),
+    "echo": lambda v: v is None or v is False,
+    "suffix": lambda v: v is None or v == "",
+    "logit_bias": lambda v: v is None or v == {},
+    "presence_penalty": lambda v: v is None or (_is_number(v) and v == 0),
+    "frequency_penalty": lambda v: v is None or (_is_number(v) and v == 0),
+    "tools": lambda v: v is None or v == [],
+    "functions": lambda v: v is None or v == [],
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
 }
 
@@ -124,14 +125,43 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object; NaN and Infinity are refused, as strict JSON does."""
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: a number no double holds, which would travel on as Infinity
+        raise ValueError(f"{text} is out of the range of a double")
+    return value
+
+
+def _lone_surrogate(raw: bytes, body: dict[str, Any]) -> bool:
+    """Whether a string in the body holds half a UTF-16 surrogate pair: not text, and it breaks UTF-8
+    encoding (tokenizers, hashing) downstream. Only a `\\u` escape, the bytes ED A0-BF, or a UTF-16/32
+    body can make one, so ordinary bodies skip the walk."""
+    if b"\\u" not in raw and b"\xed" not in raw and 0 not in raw[:4]:
+        return False
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; NaN, Infinity, numbers beyond a double and unpaired surrogates are
+    refused, as strict JSON parsers do."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError) as error:
         raise ApiError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON: nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    if _lone_surrogate(raw, body):
+        raise ApiError(
+            400,
+            "the body is not valid JSON text: a string holds an unpaired UTF-16 surrogate",
+            code="invalid_json",
+        )
     return body
 
 
@@ -251,6 +281,8 @@ def _common(body: Mapping[str, Any], model: ServedModel, max_tokens_names: Seque
     top_p = _number(body, "top_p", 0.0, 1.0)
     top_k = _int(body, "top_k", -1)
     stream = bool(_bool(body, "stream"))
+    if not isinstance(body.get("user", ""), str | None):  # read by the gateway's session affinity
+        raise _bad("user", "user must be a string")
     fields: dict[str, Any] = {
         "max_tokens": max_tokens,
         "temperature": 1.0 if temperature is None else temperature,
@@ -323,7 +355,7 @@ def _messages(value: Any) -> tuple[dict[str, str], ...]:
         if not isinstance(message, dict):
             raise _bad("messages", f"{where} must be an object")
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise _bad(
                 "messages", f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}"
             )
