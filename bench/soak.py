@@ -62,7 +62,7 @@ INDEX_METRIC = "prefixgate_gateway_index_entries"
 REQUESTS_METRIC = "prefixgate_gateway_requests"
 OK, CLIENT_LEFT = "200", "499"
 # Registry heartbeats and load reports fast enough that a short run starts at once.
-WORKER_FLAGS = ("--heartbeat", "0.5", "--load-period", "0.1", "--log-level", "WARNING")
+WORKER_FLAGS = ("--heartbeat", "0.5", "--load-period", "0.1")
 
 
 @dataclass(slots=True)
