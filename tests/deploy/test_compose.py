@@ -13,6 +13,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -276,6 +277,8 @@ def test_the_worker_entrypoint_registers_a_worker_named_by_its_address(redis_url
     worker_redis = redis_url.rsplit("/", 1)[0] + "/6"
     env = {
         **os.environ,
+        # The image has `python` and `prefixgate` on PATH; here they are this interpreter's neighbours.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "PREFIXGATE_WORKER_HOST": "127.0.0.1",
         "PREFIXGATE_WORKER_PORT": str(port),
         "PREFIXGATE_REDIS_URL": worker_redis,
