@@ -29,11 +29,13 @@ from gateway.replicas import Replica, ReplicaSet, Source
 from gateway.tokenizers import Tokenizers
 from policies import Policy, build_policy
 from radix import RadixIndex
+from workers.redis_publisher import connect
 
 log = logging.getLogger("prefixgate.gateway")
 
 # Predicted and exact entries together stay under this many (hash, replica) pairs.
 INDEX_MAX_ENTRIES = 4_000_000
+REDIS_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -81,7 +83,9 @@ class Gateway:
             auto_decompress=False,
         )
         if self.config.redis is not None:
-            self.redis = Redis.from_url(self.config.redis.url, decode_responses=True)
+            # The workers' fail-fast client: a read on a dead or restarted server errors out (and the
+            # follower backs off) instead of waiting forever; above XREAD's block time.
+            self.redis = connect(self.config.redis.url, REDIS_TIMEOUT_S, decode_responses=True)
             self.redis_ok = False
         self.sync = IndexSync(self.index, self.session, self.redis)
         self.predictions = Predictions(

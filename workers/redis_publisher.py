@@ -241,11 +241,15 @@ class RedisPublisher:
         self.published_seq = batches[-1].seq
 
 
-def connect(url: str, timeout_s: float) -> Redis:
-    """A client that fails fast instead of retrying on its own: the publisher's tasks do the retrying,
+def connect(url: str, timeout_s: float, *, decode_responses: bool = False) -> Redis:
+    """A client that fails fast instead of retrying on its own: the caller's tasks do the retrying,
     with backoff, and a call must never hang on a dead server for longer than `timeout_s`."""
     return Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        decode_responses=decode_responses,
     )
 
 
