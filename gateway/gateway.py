@@ -29,6 +29,7 @@ from gateway.replicas import Replica, ReplicaSet, Source
 from gateway.tokenizers import Tokenizers
 from policies import Policy, build_policy
 from radix import RadixIndex
+from workers.cancellation import check_cancelled
 from workers.redis_publisher import connect
 
 log = logging.getLogger("prefixgate.gateway")
@@ -115,6 +116,7 @@ class Gateway:
     def _spawn(self, step: Callable[[], Awaitable[None]], period_s: float) -> None:
         async def loop() -> None:
             while True:
+                check_cancelled()
                 await asyncio.sleep(period_s)
                 try:
                     await step()

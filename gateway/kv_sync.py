@@ -27,6 +27,7 @@ import aiohttp
 from redis.asyncio import Redis
 
 from radix.index import RadixIndex
+from workers.cancellation import check_cancelled
 from workers.kv_events import EventBatch
 from workers.redis_keys import kv_stream_key
 
@@ -266,6 +267,7 @@ async def stream_tail(redis: Redis, key: str) -> str:
     """The id of the stream's newest entry ("0-0" when it has none). Reading after it misses nothing
     added from now on, unlike XREAD's "$", which means "newest" anew at every call."""
     newest = await redis.xrevrange(key, count=1)
+    check_cancelled()
     return _text(newest[0][0]) if newest else "0-0"
 
 
@@ -274,6 +276,7 @@ async def read_stream(
 ) -> list[tuple[str, Mapping[str, str]]]:
     """Up to `count` entries after `after`, waiting up to `block_ms` for one; ids and fields as text."""
     reply = await redis.xread({key: after}, count=count, block=block_ms)
+    check_cancelled()
     return [
         (_text(entry_id), {_text(k): _text(v) for k, v in fields.items()})
         for _, entries in reply
@@ -313,6 +316,7 @@ async def follow_redis(
     backoff = Backoff(most_s=retry_max_s)
     retired: deque[str] = deque(maxlen=RETIRED_INCARNATIONS)
     while True:
+        check_cancelled()
         started = time.monotonic()
         try:
             if state.stream_id is None:

@@ -31,6 +31,7 @@ from redis.asyncio import Redis
 
 from gateway.kv_sync import BLOCK_MS, READ_COUNT, RETRY_MAX_S, Backoff, read_stream
 from radix.index import RadixIndex
+from workers.cancellation import check_cancelled
 from workers.redis_keys import PREDICTIONS
 
 log = logging.getLogger("prefixgate.gateway.predictions")
@@ -147,6 +148,7 @@ class Predictions:
         backoff = Backoff(most_s=self.retry_max_s)
         pending: list[tuple[str, float, list[int]]] = []
         while True:
+            check_cancelled()
             if not pending:
                 pending.append(await self._queue.get())
             while len(pending) < PUBLISH_BATCH and not self._queue.empty():
@@ -180,6 +182,7 @@ class Predictions:
         # The entries that may still be alive; ids are Redis's clock in milliseconds.
         after = f"{max(0, int((self.clock() - self.ttl_s) * 1000))}-0"
         while True:
+            check_cancelled()
             try:
                 entries = await read_stream(redis, self.stream, after, READ_COUNT, self.block_ms)
             except Exception as error:

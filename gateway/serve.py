@@ -31,5 +31,5 @@ def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     listen = config.listen.model_copy(update=overrides)
     config = config.model_copy(update={"listen": listen})
-    serve(create_app(config, config_path=Path(args.config)), listen.host, listen.port)
+    serve(create_app(config, config_path=Path(args.config)), host=listen.host, port=listen.port)
     return 0

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +40,22 @@ QUESTIONS = ("When are you open?", "How much does a standard service cost?")
 console = Console()
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket bound now (port 0: one the OS picks). Binding every port before anything
+    starts, and handing the sockets over, leaves no window in which another process takes a port
+    that was free when it was chosen, and a busy port fails at once rather than after model loading."""
+    try:
+        sock = socket.create_server((host, port), backlog=1024)
+    except OSError as error:
+        raise SystemExit(f"prefixgate up: cannot listen on {host}:{port}: {error.strerror}") from error
+    sock.set_inheritable(True)
+    return sock
+
+
+def _bound_port(sock: socket.socket) -> int:
+    return int(sock.getsockname()[1])
+
+
 @dataclass
 class Fleet:
     workers: list[subprocess.Popen[bytes]]
@@ -56,7 +73,7 @@ class Fleet:
                 proc.kill()
 
 
-def _worker_command(args: argparse.Namespace, index: int, port: int) -> list[str]:
+def _worker_command(args: argparse.Namespace, index: int, sock: socket.socket) -> list[str]:
     threads = max(1, (os.cpu_count() or 1) // args.workers)
     command = [
         sys.executable,
@@ -64,7 +81,9 @@ def _worker_command(args: argparse.Namespace, index: int, port: int) -> list[str
         "gateway.cli",
         "worker",
         "--port",
-        str(port),
+        str(_bound_port(sock)),
+        "--listen-fd",
+        str(sock.fileno()),
         "--id",
         f"worker-{index}",
         "--threads",
@@ -107,11 +126,17 @@ def start_fleet(args: argparse.Namespace, progress: Progress) -> Iterator[Fleet]
     if args.model is None:
         convert_gguf(default_gguf_path())
     progress.update(step, description="model ready", completed=1, total=1)
-    ports = [args.worker_port + i for i in range(args.workers)]
+    socks = [listen("127.0.0.1", args.worker_port and args.worker_port + i) for i in range(args.workers)]
     fleet = Fleet(
-        [subprocess.Popen(_worker_command(args, i, p)) for i, p in enumerate(ports)],
-        [f"http://127.0.0.1:{p}" for p in ports],
+        [
+            subprocess.Popen(_worker_command(args, i, sock), pass_fds=(sock.fileno(),))
+            for i, sock in enumerate(socks)
+        ],
+        [f"http://127.0.0.1:{_bound_port(sock)}" for sock in socks],
     )
+    # The workers hold their sockets now; this process's copies would only keep the ports open.
+    for sock in socks:
+        sock.close()
     try:
         step = progress.add_task(f"starting {args.workers} workers", total=None)
         _wait_healthy(fleet.urls, fleet.workers, args.start_timeout)
@@ -168,13 +193,14 @@ def first_requests(base_url: str) -> list[dict[str, object]]:
     return shown
 
 
-async def _serve(args: argparse.Namespace, urls: list[str], progress: Progress) -> list[dict[str, object]]:
+async def _serve(
+    args: argparse.Namespace, sock: socket.socket, urls: list[str], progress: Progress
+) -> list[dict[str, object]]:
     app = create_app(gateway_config(args, urls))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
-    base = f"http://{args.host}:{args.port}"
+    await web.SockSite(runner, sock).start()
+    base = f"http://{args.host}:{_bound_port(sock)}"
     try:
         step = progress.add_task("gateway: discovering replicas", total=None)
         gw = app[GATEWAY]
@@ -199,8 +225,10 @@ async def _serve(args: argparse.Namespace, urls: list[str], progress: Progress) 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--worker-port", type=int, default=8101, help="first worker's port; the rest follow")
+    parser.add_argument("--port", type=int, default=8000, help="the gateway's port (0: any free one)")
+    parser.add_argument(
+        "--worker-port", type=int, default=8101, help="first worker's port, the rest follow (0: any free)"
+    )
     parser.add_argument("--model", default=None, help="HF folder or .gguf for the workers (default: SmolLM2)")
     parser.add_argument("--redis", default=None, metavar="URL", help="share state through Redis")
     parser.add_argument("--policy", default="prefix_aware")
@@ -209,13 +237,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    gateway_sock = listen(args.host, args.port)
     with (
         Progress(
             SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console
         ) as progress,
         start_fleet(args, progress) as fleet,
     ):
-        shown = asyncio.run(_serve(args, fleet.urls, progress))
+        shown = asyncio.run(_serve(args, gateway_sock, fleet.urls, progress))
     hit = shown[-1]
     if hit["cached_tokens"] and hit["replica"] == shown[0]["replica"]:
         console.print(

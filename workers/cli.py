@@ -61,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument(
+        "--listen-fd",
+        type=int,
+        default=None,
+        help="serve on this inherited, listening socket (bound by a parent such as `prefixgate up` "
+        "to --port) instead of binding one",
+    )
     parser.add_argument("--id", dest="worker_id", default=None, help="worker id (default: HOST:PORT)")
     parser.add_argument(
         "--block-size",
@@ -200,5 +207,9 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     worker = build_worker(args)
-    serve(create_app(worker, contexts=extra_contexts(args)), args.host, args.port)
+    app = create_app(worker, contexts=extra_contexts(args))
+    if args.listen_fd is None:
+        serve(app, host=args.host, port=args.port)
+    else:
+        serve(app, sock=socket.socket(fileno=args.listen_fd))
     return 0

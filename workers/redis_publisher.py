@@ -26,6 +26,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from workers.cancellation import check_cancelled
 from workers.kv_events import EventBatch, EventsGone
 from workers.redis_keys import WORKERS, kv_stream_key, load_key, worker_key
 from workers.server import RUNTIME, Context, Runtime
@@ -157,6 +158,7 @@ class RedisPublisher:
 
     async def _every(self, period_s: float, action: Callable[[], Awaitable[None]], backoff: Backoff) -> None:
         while True:
+            check_cancelled()
             try:
                 await action()
             except REDIS_DOWN as error:
@@ -195,6 +197,7 @@ class RedisPublisher:
         feed = self.runtime.feed
         loop = asyncio.get_running_loop()
         while True:
+            check_cancelled()
             asked = loop.time()
             try:
                 batches = await feed.wait_after(

@@ -600,8 +600,7 @@ def create_app(worker: Worker, *, contexts: Sequence[Context] = ()) -> web.Appli
     return app
 
 
-def serve(app: web.Application, host: str, port: int, **kwargs: Any) -> None:
-    """Run until interrupted, with the settings the worker relies on (handler cancellation)."""
-    web.run_app(
-        app, host=host, port=port, handler_cancellation=True, access_log=None, print=log.info, **kwargs
-    )
+def serve(app: web.Application, **where: Any) -> None:
+    """Run until interrupted, with the settings the worker relies on (handler cancellation); `where`
+    is run_app's host and port, or sock."""
+    web.run_app(app, handler_cancellation=True, access_log=None, print=log.info, **where)

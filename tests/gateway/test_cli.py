@@ -4,6 +4,7 @@ dropping a request in flight) and `prefixgate up`, the local fleet of SmolLM2 wo
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -102,20 +103,10 @@ def test_serve_refuses_a_bad_config_with_the_key_named(tmp_path: Path) -> None:
 
 
 def test_up_starts_the_local_fleet_and_shows_a_cache_hit() -> None:
-    """The main job, as `make demo` runs it: two SmolLM2 workers, the gateway, the openai client."""
-    port, worker_port = free_port(), free_port()
+    """The main job, as `make demo` runs it: two SmolLM2 workers, the gateway, the openai client.
+    Ports 0: `up` binds every socket itself before starting anything, on ports the OS picks."""
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gateway.cli",
-            "up",
-            "--once",
-            "--port",
-            str(port),
-            "--worker-port",
-            str(worker_port),
-        ],
+        [sys.executable, "-m", "gateway.cli", "up", "--once", "--port", "0", "--worker-port", "0"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -127,3 +118,17 @@ def test_up_starts_the_local_fleet_and_shows_a_cache_hit() -> None:
     first, second = (line for line in out.splitlines() if "served by" in line)
     assert first.split("served by ")[1].split(",")[0] == second.split("served by ")[1].split(",")[0]
     assert " 0 of " in first and " 0 of " not in second
+
+
+def test_up_refuses_a_busy_port_before_loading_anything() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "up", "--once", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "preparing SmolLM2" not in done.stdout
