@@ -26,7 +26,7 @@ from gateway.config import GatewayConfig, ReplicaEntry, load_config
 from gateway.gateway import Gateway
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import OPENAPI
-from gateway.proxy import Routed, forward
+from gateway.proxy import ACCOUNTED, CLIENT_GONE, Routed, forward
 from gateway.router import decide
 from policies import ConfigError
 from workers.openai_api import (
@@ -45,9 +45,11 @@ GATEWAY = web.AppKey("gateway", Gateway)
 CONFIG_PATH = web.AppKey("config_path", Path)
 # Token ids are packed as uint32 for hashing: the widest vocabulary a model without tokenizer may use.
 UNKNOWN_VOCAB = 2**32
-CLIENT_GONE = 499
 # Seconds a client refused for overload is told to wait (Retry-After), as the workers tell theirs.
 RETRY_AFTER_S = 1
+# The request content codings aiohttp decodes (br and zstd only with optional packages, not installed:
+# its parser refuses those itself).
+DECODED_CODINGS = frozenset({"identity", "gzip", "deflate"})
 
 
 # -- the OpenAI API -------------------------------------------------------------------------------
@@ -113,9 +115,32 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         gw.inflight -= 1
 
 
+async def read_body(gw: Gateway, request: web.Request) -> bytes:
+    """The request body, decoded. A content coding aiohttp does not decode would otherwise be read as
+    if there were none; a body that does not arrive in time would hold its connection for ever."""
+    coding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if coding not in DECODED_CODINGS:
+        raise ApiError(
+            415,
+            f"Content-Encoding {coding!r} is not supported: send the body as is, gzip or deflate",
+            code="unsupported_content_encoding",
+        )
+    timeout_s = gw.config.limits.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s",
+            code="body_timeout",
+            headers={"Connection": "close"},
+        ) from None
+
+
 async def _route_and_forward(gw: Gateway, request: web.Request, chat: bool) -> web.StreamResponse:
     arrival = time.monotonic()
-    raw = await request.read()
+    raw = await read_body(gw, request)
     body = parse_json(raw)
     model = _model_of(gw, body)
     served = await _served(gw, model)
@@ -224,7 +249,7 @@ async def list_replicas(request: web.Request) -> web.Response:
 
 async def add_replica(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    body = parse_json(await request.read())
+    body = parse_json(await read_body(gw, request))
     try:
         entry = ReplicaEntry.model_validate(body, strict=True)  # JSON types as they are: no "16", no true
     except ValueError as error:
@@ -253,7 +278,7 @@ async def debug_route(request: web.Request) -> web.Response:
     (`messages` makes it a chat request)."""
     gw = request.app[GATEWAY]
     if request.method == "POST":
-        body = parse_json(await request.read())
+        body = parse_json(await read_body(gw, request))
     else:
         body = {k: request.query[k] for k in ("model", "prompt", "user") if k in request.query}
     chat = "messages" in body
@@ -335,7 +360,10 @@ async def _errors(
     except ApiError as error:
         if request.path.startswith("/v1/") and request.method == "POST":
             gw.metrics.requests.labels("", "", gw.policy.name, str(error.status)).inc()
-        return web.json_response(error.to_json(), status=error.status, headers=error.headers)
+        response = web.json_response(error.to_json(), status=error.status, headers=error.headers)
+        if error.headers.get("Connection") == "close":
+            response.force_close()  # no keep-alive (aiohttp still reads what is left, for 10 s at most)
+        return response
     except RequestPayloadError as error:
         # A body aiohttp could not read: a corrupt gzip or deflate stream, a broken chunked encoding.
         detail = getattr(error.__cause__, "message", None) or str(error.__cause__ or error)
@@ -348,7 +376,7 @@ async def _errors(
         api = ApiError(error.status, error.text or error.reason, code=code)
         return web.json_response(api.to_json(), status=error.status)
     except asyncio.CancelledError:
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") and not request.get(ACCOUNTED):
             gw.metrics.requests.labels("", "", gw.policy.name, str(CLIENT_GONE)).inc()
         raise
     except Exception:

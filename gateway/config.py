@@ -84,6 +84,9 @@ class ModelEntry(_Section):
 
 class Limits(_Section):
     max_body_bytes: int = Field(8 * 2**20, ge=1024)
+    # For the whole request body to arrive: a client that announces more than it sends is refused
+    # (408) rather than holding a connection and an in-flight slot for ever.
+    body_timeout_s: float = Field(30.0, gt=0)
     # Whole request, upstream included; streaming responses reset it at every chunk.
     request_timeout_s: float = Field(600.0, gt=0)
     connect_timeout_s: float = Field(2.0, gt=0)

@@ -15,6 +15,7 @@ and free its blocks.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -37,6 +38,11 @@ POLICY_HEADER = "x-prefixgate-policy"
 _RETRY_ELSEWHERE = (429, 503)
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _TAIL_BYTES = 2048
+# The status counted for a request whose client left before its answer was complete (nginx's).
+CLIENT_GONE = 499
+# Set on a request once its outcome is counted, so that the cancellation of a client that left is not
+# counted again, unlabelled, by the middleware.
+ACCOUNTED = web.RequestKey("accounted", bool)
 # Response headers of the replica that describe its connection, not the content.
 _HOP_BY_HOP = {
     "connection",
@@ -161,6 +167,11 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
                 last_error = f"replica {rid} failed mid-response: {error!r}"
                 last_kind = "timeout" if isinstance(error, TimeoutError) else "error"
                 continue
+            except asyncio.CancelledError:
+                if not request.get(ACCOUNTED):
+                    _account(gw, routed, replica, CLIENT_GONE, None)
+                    request[ACCOUNTED] = True
+                raise
             finally:
                 # Back to the pool when read to the end; closed otherwise (the client left, or a
                 # refusal went unread), which is what tells a worker to abort.
@@ -255,6 +266,16 @@ async def _relay_stream(
             last = now
             await response.write(chunk)
             tail = (tail + chunk)[-_TAIL_BYTES:]
+    except (asyncio.CancelledError, ConnectionResetError) as error:
+        # The client left: the handler is cancelled, or a write finds the connection reset (aiohttp's
+        # ClientConnectionResetError, which is no failure of the replica). One that had [DONE] had its
+        # whole answer: the openai client closes on [DONE], often before the replica's end of stream.
+        done = tail.endswith(SSE_DONE)
+        _account(gw, routed, replica, 200 if done else CLIENT_GONE, _cached_tokens(upstream.headers, tail))
+        request[ACCOUNTED] = True
+        if isinstance(error, asyncio.CancelledError):
+            raise
+        return response
     except (TimeoutError, aiohttp.ClientError) as error:
         gw.mark_failure(replica)
         gw.metrics.upstream_errors.labels(replica.id, type(error).__name__).inc()

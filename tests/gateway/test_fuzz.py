@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -145,6 +147,7 @@ def test_schemathesis(gateway: RunningGateway, method: str, path: str, mode: Gen
 
 # Small enough that oversized bodies cost little to generate and send.
 BODY_LIMIT = 64 * 1024
+BODY_TIMEOUT_S = 1.0
 FIELDS = sorted(
     set(OPENAPI["components"]["schemas"]["CompletionRequest"]["properties"])
     | set(OPENAPI["components"]["schemas"]["ChatRequest"]["properties"])
@@ -221,7 +224,8 @@ def small_gateway(
     start_sim_worker: Callable[..., SimWorker], start_gateway: Callable[..., RunningGateway]
 ) -> Iterator[RunningGateway]:
     workers = [start_sim_worker(f"w{i}") for i in range(2)]
-    yield start_gateway([w.url for w in workers], model=SIM_MODEL, limits={"max_body_bytes": BODY_LIMIT})
+    limits = {"max_body_bytes": BODY_LIMIT, "body_timeout_s": BODY_TIMEOUT_S}
+    yield start_gateway([w.url for w in workers], model=SIM_MODEL, limits=limits)
 
 
 def post_and_check(
@@ -310,6 +314,32 @@ def test_bodies_the_http_layer_must_refuse(small_gateway: RunningGateway, path: 
         assert ok == 200 and zlib.decompress(zlib.compress(valid)) == valid
         big = post_and_check(client, path, b'{"prompt": "' + b"x" * (BODY_LIMIT + 1) + b'"}')
         assert big == 413
+        # A coding the gateway does not decode is refused, not read as if there were none.
+        for encoding in ("compress", "x-gzip2", "gzip, gzip"):
+            refused = post_and_check(client, path, valid, {"Content-Encoding": encoding})
+            assert refused == 415, encoding
+
+
+@pytest.mark.parametrize("sent", [0, 40])
+def test_a_body_that_never_arrives_is_refused_in_time(small_gateway: RunningGateway, sent: int) -> None:
+    """Content-Length promises more than is sent: 408 in OpenAI's shape once body_timeout_s has
+    passed, rather than a connection and an in-flight slot held for ever."""
+    body = json.dumps(VALID["/v1/completions"]).encode()
+    host, port = small_gateway.url.removeprefix("http://").split(":")
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body) + 100}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
+        started = time.monotonic()
+        sock.sendall(head + body[:sent])
+        reply = sock.recv(65536)
+        waited = time.monotonic() - started
+    status_line, _, rest = reply.partition(b"\r\n")
+    assert status_line == b"HTTP/1.1 408 Request Timeout"
+    assert_openai_error(408, rest.partition(b"\r\n\r\n")[2], "truncated body")
+    assert BODY_TIMEOUT_S - 0.1 < waited < BODY_TIMEOUT_S + 2
+    assert small_gateway.gw.inflight == 0
 
 
 def test_the_fleet_still_serves_after_the_abuse(small_gateway: RunningGateway) -> None:

@@ -1,0 +1,104 @@
+"""How a request whose client leaves is counted: a client that closes on [DONE], before the replica's
+end of stream reaches the gateway, had its whole answer (a 200); one that leaves mid-stream is a 499,
+labelled with the replica it was on, and counted once.
+
+The replica is a minimal OpenAI-compatible server written for this test: it streams a few chunks
+and [DONE], then holds its end of stream back, as a busy server or a slow network can."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from itertools import islice
+
+import httpx
+import pytest
+from aiohttp import web
+
+from tests.gateway.conftest import RunningGateway
+from tests.workers.conftest import ServerThread
+from workers.openai_api import SSE_DONE, sse
+
+MODEL = "slow-close"
+CHUNKS = 5
+HOLD_S = 3.0
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+async def _complete(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for i in range(CHUNKS):
+        chunk = {
+            "id": "c",
+            "object": "text_completion",
+            "model": MODEL,
+            "choices": [{"index": 0, "text": f"{i}"}],
+        }
+        await response.write(sse(chunk))
+        await asyncio.sleep(0.05)
+    await response.write(SSE_DONE)
+    await asyncio.sleep(HOLD_S)
+    await response.write_eof()
+    return response
+
+
+@pytest.fixture
+def slow_close_backend() -> Iterator[str]:
+    app = web.Application()
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_post("/v1/completions", _complete)
+    server = ServerThread(app)
+    yield server.start()
+    server.stop()
+
+
+def _counted(gateway: RunningGateway, status: str, replica: str) -> float:
+    labels = {"model": MODEL if replica else "", "replica": replica, "policy": gateway.gw.policy.name}
+    value = gateway.gw.metrics.registry.get_sample_value(
+        "prefixgate_gateway_requests_total", {**labels, "status": status}
+    )
+    return value or 0.0
+
+
+def _wait_counted(gateway: RunningGateway, status: str, replica: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _counted(gateway, status, replica) < 1:
+        assert time.monotonic() < deadline, f"no request counted with status {status}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize(("read_lines", "status"), [(CHUNKS + 1, "200"), (2, "499")])
+def test_a_client_that_leaves_is_counted_once_with_its_replica(
+    slow_close_backend: str,
+    start_gateway: Callable[..., RunningGateway],
+    read_lines: int,
+    status: str,
+) -> None:
+    gateway = start_gateway([], wait_for=1, replicas=[{"url": slow_close_backend, "kind": "openai"}])
+    replica = gateway.gw.replicas.all()[0].id
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=10) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        seen = list(islice((line for line in lines if line), read_lines))
+        left = time.monotonic()
+    assert (seen[-1] == "data: [DONE]") == (status == "200")
+    # Counted once the gateway notices, well before the replica's held-back end of stream.
+    _wait_counted(gateway, status, replica)
+    assert time.monotonic() - left < HOLD_S - 1
+    other = "499" if status == "200" else "200"
+    assert _counted(gateway, other, replica) == 0
+    # Not a second time without labels, as the middleware counts a client that left before routing.
+    assert _counted(gateway, "499", "") == 0
+    # The replica was not blamed for the client's leaving.
+    assert gateway.gw.replicas.get(replica).routable
