@@ -125,6 +125,8 @@ async def read_body(gw: Gateway, request: web.Request) -> bytes:
             f"Content-Encoding {coding!r} is not supported: send the body as is, gzip or deflate",
             code="unsupported_content_encoding",
         )
+    if request.content.is_eof():  # all there already, as small bodies are: no timer to arm
+        return await request.read()
     timeout_s = gw.config.limits.body_timeout_s
     try:
         async with asyncio.timeout(timeout_s):
@@ -151,7 +153,7 @@ async def _route_and_forward(gw: Gateway, request: web.Request, chat: bool) -> w
     decision = decide(
         gw.policy, gw.index, gw.replicas.serving(model), tokens, _session_key(gw, request, body)
     )
-    gw.metrics.decision.labels(gw.policy.name).observe(decision.seconds)
+    gw.metrics.child(gw.metrics.decision, gw.policy.name).observe(decision.seconds)
     if decision.order:
         chosen = gw.replicas.get(decision.order[0])
         if chosen is not None and not gw.precise(chosen) and decision.hashes.get(chosen.block_size):

@@ -15,7 +15,6 @@ failures are kept in its state and retried with bounded backoff, and only cancel
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import deque
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
+import orjson
 from redis.asyncio import Redis
 
 from radix.index import RadixIndex
@@ -233,7 +233,7 @@ async def _poll(
         gone = response.status == 410
         if not gone:
             response.raise_for_status()
-            body = await response.json()
+            body = orjson.loads(await response.read())
     if gone:
         state.behind_since = state.behind_since or asked
         await resync(state, index, session)
@@ -289,7 +289,7 @@ def _batch(fields: Mapping[str, str]) -> EventBatch:
         {
             "incarnation": fields["incarnation"],
             "seq": int(fields["seq"]),
-            "events": json.loads(fields["events"]),
+            "events": orjson.loads(fields["events"]),
         }
     )
 

@@ -16,7 +16,6 @@ and free its blocks.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from gateway.gateway import Gateway
@@ -76,8 +76,7 @@ def _payload(routed: Routed, replica: Replica) -> bytes:
     """Bundled workers get the ids the gateway tokenized (no second tokenization); everything else goes
     as the client sent it, without re-encoding."""
     if replica.kind == "bundled" and routed.tokenized and routed.tokens is not None:
-        attached = {**routed.body, "prefixgate_token_ids": routed.tokens}
-        return json.dumps(attached, separators=(",", ":")).encode()
+        return orjson.dumps({**routed.body, "prefixgate_token_ids": routed.tokens})
     return routed.raw
 
 
@@ -209,21 +208,21 @@ def _refusal(status: int, headers: Mapping[str, str], model: str) -> ApiError:
 
 def _account(gw: Gateway, routed: Routed, replica: Replica, status: int, cached: int | None) -> None:
     m = gw.metrics
-    m.requests.labels(routed.model, replica.id, gw.policy.name, str(status)).inc()
-    m.e2e.labels(routed.model, replica.id).observe(time.monotonic() - routed.arrival)
+    m.child(m.requests, routed.model, replica.id, gw.policy.name, str(status)).inc()
+    m.child(m.e2e, routed.model, replica.id).observe(time.monotonic() - routed.arrival)
     if status != 200:
         return
     view = routed.decision.view_of(replica.id)
     prompt = routed.decision.prompt_tokens
-    m.prompt_tokens.labels(routed.model, replica.id).inc(prompt)
-    m.predicted_cached.labels(routed.model, replica.id).inc(min(view.cached_tokens, prompt))
+    m.child(m.prompt_tokens, routed.model, replica.id).inc(prompt)
+    m.child(m.predicted_cached, routed.model, replica.id).inc(min(view.cached_tokens, prompt))
     if cached is not None:
-        m.realised_cached.labels(routed.model, replica.id).inc(cached)
+        m.child(m.realised_cached, routed.model, replica.id).inc(cached)
 
 
 def _first_token(gw: Gateway, routed: Routed, replica: Replica, handle: int) -> None:
     ttft = time.monotonic() - routed.arrival
-    gw.metrics.ttft.labels(routed.model, replica.id).observe(ttft)
+    gw.metrics.child(gw.metrics.ttft, routed.model, replica.id).observe(ttft)
     learn = gw.config.learning
     gw.replicas.started(replica, handle, ttft, alpha=learn.ewma_alpha, min_tokens=learn.min_prefill_tokens)
 
@@ -254,7 +253,7 @@ async def _relay_stream(
     response = web.StreamResponse(status=200, headers=_response_headers(upstream, replica, routed, gw))
     await response.prepare(request)
     _first_token(gw, routed, replica, handle)
-    itl = gw.metrics.itl.labels(routed.model)
+    itl = gw.metrics.child(gw.metrics.itl, routed.model)
     await response.write(first)
     tail = first[-_TAIL_BYTES:]
     last = time.monotonic()

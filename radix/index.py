@@ -107,26 +107,11 @@ class RadixIndex:
         recently used and eviction takes leaves before the roots other requests still share.
         """
         state = self._state(replica)
+        if expires_at == NEVER:
+            self._insert_exact(state, hashes)
+        else:
+            self._insert_timed(replica, state, hashes, expires_at)
         blocks = state.blocks
-        holders = self._holders
-        bit = 1 << state.bit
-        timed = expires_at != NEVER
-        for h in reversed(hashes):
-            old = blocks.get(h)
-            if old is None:
-                blocks[h] = expires_at
-                holders[h] = holders.get(h, 0) | bit
-                self._entries += 1
-                if timed:
-                    self._timed += 1
-            else:
-                blocks.move_to_end(h)
-                if expires_at > old:
-                    blocks[h] = expires_at
-                    if old != NEVER and not timed:
-                        self._timed -= 1
-            if timed:
-                heapq.heappush(self._deadlines, (expires_at, h, replica))
         if state.capacity is not None:
             while len(blocks) > state.capacity:
                 self._evict_oldest(replica, state)
@@ -140,10 +125,24 @@ class RadixIndex:
     def remove(self, replica: str, hashes: Iterable[int]) -> None:
         """A `removed` event: the replica evicted these blocks. Unknown hashes are ignored."""
         state = self._state(replica)
+        pop = state.blocks.pop
+        holders = self._holders
+        keep = ~(1 << state.bit)
+        removed = timed = 0
         for h in hashes:
-            expiry = state.blocks.pop(h, None)
-            if expiry is not None:
-                self._forget(h, state.bit, expiry)
+            expiry = pop(h, None)
+            if expiry is None:
+                continue
+            rest = holders[h] & keep
+            if rest:
+                holders[h] = rest
+            else:
+                del holders[h]
+            removed += 1
+            if expiry != NEVER:
+                timed += 1
+        self._entries -= removed
+        self._timed -= timed
 
     def expire(self, now: float) -> int:
         """Drop predicted entries whose expiry is at or before `now`; returns how many."""
@@ -184,6 +183,46 @@ class RadixIndex:
         return result
 
     # -- internals --------------------------------------------------------------------------
+
+    def _insert_exact(self, state: _Replica, hashes: Sequence[int]) -> None:
+        """The KV-event path, taken for every block a worker stores: locals only in the loop, counts
+        settled once at the end."""
+        blocks = state.blocks
+        get, move = blocks.get, blocks.move_to_end
+        holders = self._holders
+        held = holders.get
+        bit = 1 << state.bit
+        added = made_exact = 0
+        for h in reversed(hashes):
+            old = get(h)
+            if old is None:
+                blocks[h] = NEVER
+                holders[h] = held(h, 0) | bit
+                added += 1
+            else:
+                move(h)
+                if old != NEVER:  # a predicted entry, now confirmed
+                    blocks[h] = NEVER
+                    made_exact += 1
+        self._entries += added
+        self._timed -= made_exact
+
+    def _insert_timed(self, replica: str, state: _Replica, hashes: Sequence[int], expires_at: float) -> None:
+        blocks = state.blocks
+        holders = self._holders
+        bit = 1 << state.bit
+        for h in reversed(hashes):
+            old = blocks.get(h)
+            if old is None:
+                blocks[h] = expires_at
+                holders[h] = holders.get(h, 0) | bit
+                self._entries += 1
+                self._timed += 1
+            else:
+                blocks.move_to_end(h)
+                if expires_at > old:
+                    blocks[h] = expires_at
+            heapq.heappush(self._deadlines, (expires_at, h, replica))
 
     def _state(self, replica: str) -> _Replica:
         state = self._replicas.get(replica)

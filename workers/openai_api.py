@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import orjson
 from jinja2 import TemplateError
 
 from workers.engine.sampling_params import SamplingParams
@@ -121,47 +122,17 @@ class GenerationRequest:
 # -- parsing --------------------------------------------------------------------------------------
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e400: a number no double holds, which would travel on as Infinity
-        raise ValueError(f"{text} is out of the range of a double")
-    return value
-
-
-def _lone_surrogate(raw: bytes, body: dict[str, Any]) -> bool:
-    """Whether a string in the body holds half a UTF-16 surrogate pair: not text, and it breaks UTF-8
-    encoding (tokenizers, hashing) downstream. Only a `\\u` escape, the bytes ED A0-BF, or a UTF-16/32
-    body can make one, so ordinary bodies skip the walk."""
-    if b"\\u" not in raw and b"\xed" not in raw and 0 not in raw[:4]:
-        return False
-    try:
-        json.dumps(body, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object; NaN, Infinity, numbers beyond a double and unpaired surrogates are
-    refused, as strict JSON parsers do."""
+    """The body as a JSON object. orjson is a strict RFC 8259 parser, and several times faster than
+    the standard library's on the long id lists of token prompts: it refuses NaN and Infinity, numbers
+    beyond a double, unpaired surrogates (escaped or not), text that is not UTF-8, and nesting past
+    1,024 levels, all of which would otherwise travel on into tokenizers, hashing and the engine."""
     try:
-        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, UnicodeDecodeError) as error:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
         raise ApiError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
-    except RecursionError:
-        raise ApiError(400, "the body is not valid JSON: nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-    if _lone_surrogate(raw, body):
-        raise ApiError(
-            400,
-            "the body is not valid JSON text: a string holds an unpaired UTF-16 surrogate",
-            code="invalid_json",
-        )
     return body
 
 
@@ -468,7 +439,7 @@ def usage_json(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 
 
 def sse(payload: Mapping[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+import orjson
 from aiohttp import web
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
@@ -237,7 +238,7 @@ class RedisPublisher:
                 fields = {
                     "incarnation": batch.incarnation,
                     "seq": batch.seq,
-                    "events": json.dumps([event.to_json() for event in batch.events]),
+                    "events": orjson.dumps([event.to_json() for event in batch.events]),
                 }
                 pipe.xadd(stream, fields, maxlen=self.config.stream_maxlen, approximate=True)
             await pipe.execute()

@@ -22,6 +22,7 @@ from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import orjson
 from aiohttp import web
 
 from workers.engine.engine import Engine, PromptTooLong, RequestOutput
@@ -510,9 +511,9 @@ async def kv_events(request: web.Request) -> web.Response:
         batches = await rt.feed.wait_after(after, timeout, limit)
     except EventsGone as gone:
         return _gone(rt, str(gone))
-    return web.json_response(
-        {"incarnation": events.incarnation, "seq": events.seq, "batches": [b.to_json() for b in batches]}
-    )
+    # Read by every gateway after every engine step under load: orjson, several times the stdlib's speed.
+    body = {"incarnation": events.incarnation, "seq": events.seq, "batches": [b.to_json() for b in batches]}
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 # -- the app ------------------------------------------------------------------------------------

@@ -8,13 +8,15 @@ prompts run end to end through the official client while the workers stay fast c
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from aiohttp import web
 
 from gateway.app import GATEWAY, create_app
 from gateway.cli import build_parser
@@ -63,6 +65,31 @@ class RunningGateway:
         while sum(r.routable for r in self.gw.replicas.all()) != count:
             assert time.monotonic() < deadline, f"the gateway never saw {count} routable replicas"
             time.sleep(0.05)
+
+
+@contextmanager
+def foreign_backend(
+    model: str, complete: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> Iterator[str]:
+    """A minimal OpenAI-compatible server written for a test, standing in for a foreign backend
+    (vLLM, SGLang): /v1/models names `model`, /health is vLLM's (200, no body), and `complete`
+    answers /v1/completions. Yields its base URL."""
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": model, "object": "model"}]})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", complete)
+    server = ServerThread(app)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
 
 
 def sim_worker_args(worker_id: str, port: int, *extra: str) -> list[str]:

@@ -16,21 +16,12 @@ import httpx
 import pytest
 from aiohttp import web
 
-from tests.gateway.conftest import RunningGateway
-from tests.workers.conftest import ServerThread
+from tests.gateway.conftest import RunningGateway, foreign_backend
 from workers.openai_api import SSE_DONE, sse
 
 MODEL = "slow-close"
 CHUNKS = 5
 HOLD_S = 3.0
-
-
-async def _models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-
-async def _health(request: web.Request) -> web.Response:
-    return web.Response(text="")
 
 
 async def _complete(request: web.Request) -> web.StreamResponse:
@@ -53,13 +44,8 @@ async def _complete(request: web.Request) -> web.StreamResponse:
 
 @pytest.fixture
 def slow_close_backend() -> Iterator[str]:
-    app = web.Application()
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", _health)
-    app.router.add_post("/v1/completions", _complete)
-    server = ServerThread(app)
-    yield server.start()
-    server.stop()
+    with foreign_backend(MODEL, _complete) as url:
+        yield url
 
 
 def _counted(gateway: RunningGateway, status: str, replica: str) -> float:

@@ -11,12 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from aiohttp import web
 
-from tests.gateway.conftest import RunningGateway
-from tests.workers.conftest import ServerThread
-
-
-async def _models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [{"id": "echo", "object": "model"}]})
+from tests.gateway.conftest import RunningGateway, foreign_backend
 
 
 async def _complete(request: web.Request) -> web.Response:
@@ -33,19 +28,10 @@ async def _complete(request: web.Request) -> web.Response:
     )
 
 
-async def _health(request: web.Request) -> web.Response:
-    return web.Response(text="")  # vLLM's /health: 200 and no body
-
-
 @pytest.fixture
 def echo_backend() -> Iterator[str]:
-    app = web.Application()
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", _health)
-    app.router.add_post("/v1/completions", _complete)
-    server = ServerThread(app)
-    yield server.start()
-    server.stop()
+    with foreign_backend("echo", _complete) as url:
+        yield url
 
 
 @pytest.mark.parametrize(
