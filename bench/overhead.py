@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import math
 import os
@@ -297,7 +298,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-duration", type=float, default=4.0, help="seconds per capacity step")
     parser.add_argument("--skip-max", action="store_true", help="skip the capacity (max req/s) phase")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--pin-gateway",
+        action="store_true",
+        help="give the gateway a core of its own (the worker and the load share the rest): its added "
+        "latency without the other processes' contention for its core",
+    )
     parser.add_argument("--json", default=None, help="write the results here, and a PNG next to it")
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process onto `cpus` (sched_setaffinity binds one thread; threads started
+    later inherit their creator's set)."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cpus)
+
+
+def pinning(fleet: LocalFleet) -> dict[str, list[int]]:
+    """The gateway on the last core this process may use, the worker and this process on the others."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("prefixgate bench overhead: --pin-gateway needs at least 2 cores")
+    assert fleet.gateway is not None
+    gateway, rest = {cpus[-1]}, set(cpus[:-1])
+    pin(fleet.gateway.pid, gateway)
+    pin(fleet.workers[0].pid, rest)
+    pin(os.getpid(), rest)
+    return {"gateway": sorted(gateway), "worker and load": sorted(rest)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -308,8 +336,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         workers = SimWorkers(1, str(instant_profile(workdir)), block_size=args.block_size)
         with local_fleet(workdir, workers, policy="prefix_aware") as fleet:
             assert fleet.gateway is not None
-            samples, decision = asyncio.run(latency_phase(fleet, args, workers.model))
-            capacity = [] if args.skip_max else asyncio.run(capacity_phase(fleet, args, workers.model))
+            ours = os.sched_getaffinity(0)
+            cores = pinning(fleet) if args.pin_gateway else None
+            try:
+                samples, decision = asyncio.run(latency_phase(fleet, args, workers.model))
+                capacity = [] if args.skip_max else asyncio.run(capacity_phase(fleet, args, workers.model))
+            finally:
+                pin(os.getpid(), ours)
             processes = {"worker": fleet.workers[0], "gateway": fleet.gateway}
             memory = {name: dataclasses.asdict(proc_stat(c.pid)) for name, c in processes.items()}
             urls = {"direct": fleet.workers[0].url, "gateway": fleet.gateway.url}
@@ -332,6 +365,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "prompts": "distinct (no two share a block)",
             "order": "ABBA windows (direct, gateway, gateway, direct, ...)",
             "policy": "prefix_aware",
+            "cores": cores or f"{len(os.sched_getaffinity(0))} shared by all three processes",
         },
         "latency": latency,
         "added_s": added,
@@ -352,6 +386,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     title = (
         f"overhead: {args.prompt_tokens}-token prompts, {args.max_tokens} output tokens, "
         f"{args.rate:g} req/s for {args.duration:g} s per path"
+        + (", the gateway on a core of its own" if cores else "")
     )
     print(_tables(title, payload))
     if args.json:
@@ -433,8 +468,8 @@ def _tables(title: str, p: dict[str, Any]) -> str:
         ]
         tables.append(
             format_table(
-                f"capacity: closed loops of {SHORT_PROMPT_TOKENS}-token prompts, 1 output token, on "
-                f"{os.cpu_count()} cores shared by all three processes",
+                f"capacity: closed loops of {SHORT_PROMPT_TOKENS}-token prompts, 1 output token; cores: "
+                f"{p['config']['cores']}",
                 [
                     "path",
                     "clients",

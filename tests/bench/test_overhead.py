@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,19 @@ def test_cli_measures_both_paths_and_the_capacity(tmp_path: Path) -> None:
     assert all(s["error_rate"] == 0 and s["req_s"] > 0 for s in steps)
     best = payload["capacity"]["sustained_req_s"]
     assert best == {t: max(s["req_s"] for s in steps if s["target"] == t) for t in TARGETS}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to give the gateway one")
+def test_the_gateway_can_have_a_core_of_its_own(tmp_path: Path) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    out = tmp_path / "pinned.json"
+    argv = ["bench", "overhead", "--rate", "20", "--duration", "1", "--prompt-tokens", "200"]
+    main([*argv, "--skip-max", "--pin-gateway", "--json", str(out)])
+    payload = json.loads(out.read_text())
+    assert payload["config"]["cores"] == {"gateway": cpus[-1:], "worker and load": cpus[:-1]}
+    assert payload["latency"]["gateway"]["completed"] == payload["latency"]["gateway"]["sent"] > 5
+    # This process has every core back, its threads included.
+    assert all(os.sched_getaffinity(int(t)) == set(cpus) for t in os.listdir(f"/proc/{os.getpid()}/task"))
 
 
 def test_histogram_quantile_interpolates_within_the_bucket() -> None:
