@@ -82,6 +82,9 @@ class Gateway:
             timeout=aiohttp.ClientTimeout(total=None, connect=limits.connect_timeout_s),
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
             auto_decompress=False,
+            # A replica's Set-Cookie is for the client it answered: a jar would send it on upstream
+            # with every other client's requests.
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         if self.config.redis is not None:
             # The workers' fail-fast client: a read on a dead or restarted server errors out (and the
