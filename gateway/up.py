@@ -120,13 +120,13 @@ def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout
 
 @contextlib.contextmanager
 def start_fleet(args: argparse.Namespace, progress: Progress) -> Iterator[Fleet]:
+    socks = [listen("127.0.0.1", args.worker_port and args.worker_port + i) for i in range(args.workers)]
     step = progress.add_task("preparing SmolLM2 (converted once to ~/.cache/prefixgate)", total=None)
     from workers.engine.loader import convert_gguf, default_gguf_path
 
     if args.model is None:
         convert_gguf(default_gguf_path())
     progress.update(step, description="model ready", completed=1, total=1)
-    socks = [listen("127.0.0.1", args.worker_port and args.worker_port + i) for i in range(args.workers)]
     fleet = Fleet(
         [
             subprocess.Popen(_worker_command(args, i, sock), pass_fds=(sock.fileno(),))

@@ -120,11 +120,13 @@ def test_up_starts_the_local_fleet_and_shows_a_cache_hit() -> None:
     assert " 0 of " in first and " 0 of " not in second
 
 
-def test_up_refuses_a_busy_port_before_loading_anything() -> None:
+@pytest.mark.parametrize("busy_flag", ["--port", "--worker-port"])
+def test_up_refuses_a_busy_port_before_loading_anything(busy_flag: str) -> None:
     with socket.create_server(("127.0.0.1", 0)) as busy:
         port = busy.getsockname()[1]
+        ports = {"--port": "0", "--worker-port": "0", busy_flag: str(port)}
         done = subprocess.run(
-            [sys.executable, "-m", "gateway.cli", "up", "--once", "--port", str(port)],
+            [sys.executable, "-m", "gateway.cli", "up", "--once", *(x for kv in ports.items() for x in kv)],
             capture_output=True,
             text=True,
             timeout=60,
