@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,19 +203,21 @@ def family_prompt(i: int, families: int = 6, prefix_tokens: int = 64, tail_token
     return prefix + [20_000 + (i * tail_tokens + t) % 29_000 for t in range(tail_tokens)]
 
 
-def _outcome(start: float, response: httpx.Response) -> Outcome:
+def _outcome(start: float, status: int, headers: Mapping[str, str], payload: bytes) -> Outcome:
+    """What an answer was, from either client (httpx in the traffic threads, aiohttp in bursts); a
+    refusal named by its OpenAI error code, or by the start of its body when it has none."""
     error = None
-    if response.status_code != 200:
+    if status != 200:
         try:
-            error = response.json()["error"]["code"]
+            error = json.loads(payload)["error"]["code"]
         except (ValueError, KeyError, TypeError):
-            error = response.text[:80]
+            error = payload[:80].decode(errors="replace")
     return Outcome(
         start,
         time.monotonic() - start,
-        response.status_code,
-        response.headers.get("x-prefixgate-replica"),
-        response.headers.get("Retry-After"),
+        status,
+        headers.get("x-prefixgate-replica"),
+        headers.get("Retry-After"),
         error,
     )
 
@@ -271,7 +273,8 @@ class Traffic:
                 target = self.targets[i % len(self.targets)]
                 start = time.monotonic()
                 try:
-                    outcome = _outcome(start, client.post(f"{target}/v1/completions", json=self.body(i)))
+                    answer = client.post(f"{target}/v1/completions", json=self.body(i))
+                    outcome = _outcome(start, answer.status_code, answer.headers, answer.content)
                 except httpx.HTTPError as error:
                     outcome = Outcome(start, time.monotonic() - start, 0, error=repr(error))
                 self.outcomes.append(outcome)
@@ -295,21 +298,7 @@ async def burst(
         start = time.monotonic()
         try:
             async with session.post(f"{url}/v1/completions", json=body) as response:
-                payload = await response.read()
-                error = None
-                if response.status != 200:
-                    try:
-                        error = json.loads(payload)["error"]["code"]
-                    except (ValueError, KeyError, TypeError):
-                        error = payload[:80].decode(errors="replace")
-                return Outcome(
-                    start,
-                    time.monotonic() - start,
-                    response.status,
-                    response.headers.get("x-prefixgate-replica"),
-                    response.headers.get("Retry-After"),
-                    error,
-                )
+                return _outcome(start, response.status, response.headers, await response.read())
         except (aiohttp.ClientError, TimeoutError) as error:
             return Outcome(start, time.monotonic() - start, 0, error=repr(error))
 

@@ -26,10 +26,12 @@ from gateway.config import GatewayConfig, ReplicaEntry, load_config
 from gateway.gateway import Gateway
 from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import OPENAPI
-from gateway.proxy import ACCOUNTED, CLIENT_GONE, Routed, forward
+from gateway.proxy import ACCOUNTED, Routed, forward
 from gateway.router import decide
 from policies import ConfigError
 from workers.openai_api import (
+    CLIENT_GONE,
+    RETRY_AFTER_S,
     ApiError,
     GenerationRequest,
     ServedModel,
@@ -45,8 +47,6 @@ GATEWAY = web.AppKey("gateway", Gateway)
 CONFIG_PATH = web.AppKey("config_path", Path)
 # Token ids are packed as uint32 for hashing: the widest vocabulary a model without tokenizer may use.
 UNKNOWN_VOCAB = 2**32
-# Seconds a client refused for overload is told to wait (Retry-After), as the workers tell theirs.
-RETRY_AFTER_S = 1
 # The request content codings aiohttp decodes (br and zstd only with optional packages, not installed:
 # its parser refuses those itself).
 DECODED_CODINGS = frozenset({"identity", "gzip", "deflate"})

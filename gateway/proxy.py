@@ -29,7 +29,7 @@ from aiohttp import web
 from gateway.gateway import Gateway
 from gateway.replicas import Replica
 from gateway.router import Decision
-from workers.openai_api import CACHED_TOKENS_HEADER, SSE_DONE, ApiError, sse
+from workers.openai_api import CACHED_TOKENS_HEADER, CLIENT_GONE, SSE_DONE, ApiError, sse
 
 REPLICA_HEADER = "x-prefixgate-replica"
 MATCHED_BLOCKS_HEADER = "x-prefixgate-matched-blocks"
@@ -38,8 +38,6 @@ POLICY_HEADER = "x-prefixgate-policy"
 _RETRY_ELSEWHERE = (429, 503)
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _TAIL_BYTES = 2048
-# The status counted for a request whose client left before its answer was complete (nginx's).
-CLIENT_GONE = 499
 # Set on a request once its outcome is counted, so that the cancellation of a client that left is not
 # counted again, unlabelled, by the middleware.
 ACCOUNTED = web.RequestKey("accounted", bool)

@@ -443,6 +443,10 @@ def sse(payload: Mapping[str, Any]) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+# The status counted for a request whose client left before its answer was complete (nginx's code).
+CLIENT_GONE = 499
+# Seconds a client refused for overload (429) is told to wait, by workers and gateways alike.
+RETRY_AFTER_S = 1
 
 
 def new_response_id(chat: bool) -> str:

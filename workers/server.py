@@ -33,6 +33,8 @@ from workers.kv_events import EventBatch, EventsGone, KVEventLog
 from workers.metrics import CONTENT_TYPE, WorkerMetrics
 from workers.openai_api import (
     CACHED_TOKENS_HEADER,
+    CLIENT_GONE,
+    RETRY_AFTER_S,
     SSE_DONE,
     ApiError,
     GenerationRequest,
@@ -59,9 +61,6 @@ DEFAULT_MAX_WAITING = 256
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 MAX_EVENTS_TIMEOUT_S = 60.0
 DEFAULT_EVENTS_LIMIT = 1024
-# Client closed request (nginx's code): the status recorded for a handler cancelled by a disconnect.
-CLIENT_GONE = 499
-RETRY_AFTER_S = 1
 
 
 class EngineFront(Protocol):
