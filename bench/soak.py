@@ -61,6 +61,8 @@ MAX_RSS_GROWTH_PCT = 5.0
 INDEX_METRIC = "prefixgate_gateway_index_entries"
 REQUESTS_METRIC = "prefixgate_gateway_requests"
 OK, CLIENT_LEFT = "200", "499"
+# How long the last sample waits for the gateways to count the requests their clients saw end.
+SETTLE_S = 2.0
 # Registry heartbeats and load reports fast enough that a short run starts at once.
 WORKER_FLAGS = ("--heartbeat", "0.5", "--load-period", "0.1")
 
@@ -133,14 +135,26 @@ async def sample(session: aiohttp.ClientSession, gateway: Child, t_s: float) -> 
     return Sample(round(t_s, 2), gateway.name, round(rss_mib(gateway.pid), 2), index, statuses)
 
 
-async def sampler(gateways: Sequence[Child], every_s: float, done: asyncio.Event, out: list[Sample]) -> None:
-    """Samples every `every_s` until `done`, and once more after it (the state at the end)."""
+async def sampler(
+    gateways: Sequence[Child], every_s: float, done: asyncio.Event, out: list[Sample], sent: dict[str, int]
+) -> None:
+    """Samples every `every_s` until `done`, and once more after it (the state at the end). A gateway
+    counts a request when the replica's stream ends, a moment after its client has read `[DONE]`: the
+    last sample waits (SETTLE_S at most) until each has counted all it was `sent`."""
     start = time.monotonic()
     async with aiohttp.ClientSession() as session:
         while True:
             now = time.monotonic() - start
-            out.extend(await asyncio.gather(*(sample(session, g, now) for g in gateways)))
-            last = out[-len(gateways) :]
+            last = await asyncio.gather(*(sample(session, g, now) for g in gateways))
+            settle = time.monotonic() + SETTLE_S
+            while (
+                done.is_set()
+                and any(s.requests < sent.get(s.gateway, 0) for s in last)
+                and time.monotonic() < settle
+            ):
+                await asyncio.sleep(0.05)
+                last = await asyncio.gather(*(sample(session, g, now) for g in gateways))
+            out.extend(last)
             print(
                 f"  {now:6.0f} s  "
                 + "  ".join(f"{s.gateway}: {s.rss_mib:.1f} MiB, {s.index_entries} entries" for s in last),
@@ -349,7 +363,8 @@ async def drive(
     """The arrivals alternately through each gateway (open loop, one schedule), sampled meanwhile."""
     samples: list[Sample] = []
     done = asyncio.Event()
-    watch = asyncio.create_task(sampler(gateways, every_s, done, samples))
+    sent: dict[str, int] = {}
+    watch = asyncio.create_task(sampler(gateways, every_s, done, samples, sent))
     try:
         results = await asyncio.gather(
             *(
@@ -357,6 +372,7 @@ async def drive(
                 for i, g in enumerate(gateways)
             )
         )
+        sent.update({g.name: r.sent for g, r in zip(gateways, results, strict=True)})
     finally:
         done.set()
         await watch

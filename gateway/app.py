@@ -439,8 +439,3 @@ def create_app(
     app.router.add_post("/debug/route", debug_route)
     app.cleanup_ctx.append(_lifecycle)
     return app
-
-
-def serve(app: web.Application, host: str, port: int) -> None:
-    """Run until interrupted; handler cancellation is what turns a client leaving into an abort."""
-    web.run_app(app, host=host, port=port, handler_cancellation=True, access_log=None, print=log.info)

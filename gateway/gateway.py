@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.predictions import Predictions
 from gateway.replicas import Replica, ReplicaSet, Source
 from gateway.tokenizers import Tokenizers
+from gateway.upstream import UpstreamClient
 from policies import Policy, build_policy
 from radix import RadixIndex
 from workers.cancellation import check_cancelled
@@ -50,6 +51,8 @@ class Gateway:
     pending: dict[str, tuple[ReplicaEntry, Source]] = field(default_factory=dict)
     policy: Policy = field(init=False)
     session: aiohttp.ClientSession = field(init=False)
+    # The forward path's own client (gateway/upstream.py); `session` serves everything else.
+    upstream: UpstreamClient = field(init=False)
     redis: Redis | None = field(init=False, default=None)
     sync: IndexSync = field(init=False)
     predictions: Predictions = field(init=False)
@@ -86,6 +89,7 @@ class Gateway:
             # with every other client's requests.
             cookie_jar=aiohttp.DummyCookieJar(),
         )
+        self.upstream = UpstreamClient()
         if self.config.redis is not None:
             # The workers' fail-fast client: a read on a dead or restarted server errors out (and the
             # follower backs off) instead of waiting forever; above XREAD's block time.
@@ -112,6 +116,7 @@ class Gateway:
         await self.sync.close()
         await self.predictions.close()
         await self.session.close()
+        self.upstream.close()
         if self.redis is not None:
             await self.redis.aclose()
         self.tokenizers.close()

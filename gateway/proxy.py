@@ -22,13 +22,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from gateway.gateway import Gateway
 from gateway.replicas import Replica
 from gateway.router import Decision
+from gateway.upstream import UpstreamError, UpstreamResponse
 from workers.openai_api import CACHED_TOKENS_HEADER, CLIENT_GONE, SSE_DONE, ApiError, sse
 
 REPLICA_HEADER = "x-prefixgate-replica"
@@ -47,7 +47,6 @@ _HOP_BY_HOP = {
     "keep-alive",
     "transfer-encoding",
     "content-length",
-    "content-encoding",
     "date",
     "server",
 }
@@ -88,9 +87,7 @@ def _upstream_headers(gw: Gateway, routed: Routed) -> dict[str, str]:
     return headers
 
 
-def _response_headers(
-    upstream: aiohttp.ClientResponse, replica: Replica, routed: Routed, gw: Gateway
-) -> dict:
+def _response_headers(upstream: UpstreamResponse, replica: Replica, routed: Routed, gw: Gateway) -> dict:
     view = routed.decision.view_of(replica.id)
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
     headers[REPLICA_HEADER] = replica.id
@@ -132,17 +129,17 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
         handle = gw.replicas.dispatched(replica, time.monotonic(), uncached)
         try:
             try:
-                upstream = await gw.session.post(
-                    replica.url + routed.path,
-                    data=_payload(routed, replica),
-                    headers=_upstream_headers(gw, routed),
-                    timeout=aiohttp.ClientTimeout(
-                        total=None, connect=limits.connect_timeout_s, sock_read=limits.request_timeout_s
-                    ),
+                upstream = await gw.upstream.post(
+                    replica.url,
+                    routed.path,
+                    _payload(routed, replica),
+                    _upstream_headers(gw, routed),
+                    connect_s=limits.connect_timeout_s,
+                    read_s=limits.request_timeout_s,
                 )
-            except (TimeoutError, aiohttp.ClientError, OSError) as error:
+            except (TimeoutError, UpstreamError) as error:
                 gw.mark_failure(replica)
-                gw.metrics.upstream_errors.labels(rid, type(error).__name__).inc()
+                gw.metrics.upstream_errors.labels(rid, _kind(error)).inc()
                 last_error = f"replica {rid} could not be reached: {error!r}"
                 last_kind = "timeout" if isinstance(error, TimeoutError) else "error"
                 continue
@@ -154,13 +151,13 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
                     refusal = _refusal(upstream.status, upstream.headers, routed.model)
                     continue
                 if routed.stream and upstream.status == 200:
-                    first = await upstream.content.readany()
+                    first = await upstream.read_chunk()
                     return await _relay_stream(gw, request, routed, replica, handle, upstream, first)
                 return await _relay_body(gw, routed, replica, handle, upstream)
-            except (TimeoutError, aiohttp.ClientError) as error:
+            except (TimeoutError, UpstreamError) as error:
                 # The replica failed before the client saw a byte: the next choice can still serve it.
                 gw.mark_failure(replica)
-                gw.metrics.upstream_errors.labels(rid, type(error).__name__).inc()
+                gw.metrics.upstream_errors.labels(rid, _kind(error)).inc()
                 last_error = f"replica {rid} failed mid-response: {error!r}"
                 last_kind = "timeout" if isinstance(error, TimeoutError) else "error"
                 continue
@@ -192,6 +189,11 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
         f"every replica tried for {routed.model!r} failed; last: {last_error}",
         code="upstream_unavailable",
     )
+
+
+def _kind(error: TimeoutError | UpstreamError) -> str:
+    """The upstream_errors label: how the exchange failed."""
+    return error.kind if isinstance(error, UpstreamError) else "timeout"
 
 
 def _refusal(status: int, headers: Mapping[str, str], model: str) -> ApiError:
@@ -226,7 +228,7 @@ def _first_token(gw: Gateway, routed: Routed, replica: Replica, handle: int) -> 
 
 
 async def _relay_body(
-    gw: Gateway, routed: Routed, replica: Replica, handle: int, upstream: aiohttp.ClientResponse
+    gw: Gateway, routed: Routed, replica: Replica, handle: int, upstream: UpstreamResponse
 ) -> web.Response:
     body = await upstream.read()
     if upstream.status == 200:
@@ -243,46 +245,49 @@ async def _relay_stream(
     routed: Routed,
     replica: Replica,
     handle: int,
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamResponse,
     first: bytes,
 ) -> web.StreamResponse:
     """Relay from the first chunk on. If the replica fails once bytes have reached the client, the
     stream ends the way OpenAI streams report errors: an error event, then [DONE]."""
-    response = web.StreamResponse(status=200, headers=_response_headers(upstream, replica, routed, gw))
-    await response.prepare(request)
     _first_token(gw, routed, replica, handle)
-    itl = gw.metrics.child(gw.metrics.itl, routed.model)
-    await response.write(first)
+    response = web.StreamResponse(status=200, headers=_response_headers(upstream, replica, routed, gw))
     tail = first[-_TAIL_BYTES:]
-    last = time.monotonic()
     status = 200
     try:
-        async for chunk in upstream.content.iter_any():
-            now = time.monotonic()
-            itl.observe(now - last)
-            last = now
-            await response.write(chunk)
-            tail = (tail + chunk)[-_TAIL_BYTES:]
+        await response.prepare(request)
+        await response.write(first)
+        itl = gw.metrics.child(gw.metrics.itl, routed.model)
+        last = time.monotonic()
+        try:
+            while chunk := await upstream.read_chunk():
+                now = time.monotonic()
+                itl.observe(now - last)
+                last = now
+                await response.write(chunk)
+                tail = (tail + chunk)[-_TAIL_BYTES:]
+        except (TimeoutError, UpstreamError) as error:
+            gw.mark_failure(replica)
+            gw.metrics.upstream_errors.labels(replica.id, _kind(error)).inc()
+            if isinstance(error, TimeoutError):  # silent for limits.request_timeout_s: stuck, or far too slow
+                silent = gw.config.limits.request_timeout_s
+                message, code, status = f"sent nothing for {silent:g} s mid-stream", "upstream_timeout", 504
+            else:
+                message, code, status = f"failed mid-stream: {error!r}", "upstream_failed", 502
+            failed = ApiError(status, f"replica {replica.id} {message}", code=code)
+            await response.write(sse(failed.to_json()) + SSE_DONE)
+        await response.write_eof()
     except (asyncio.CancelledError, ConnectionResetError) as error:
-        # The client left: the handler is cancelled, or a write finds the connection reset (aiohttp's
-        # ClientConnectionResetError, which is no failure of the replica). One that had [DONE] had its
-        # whole answer: the openai client closes on [DONE], often before the replica's end of stream.
-        done = tail.endswith(SSE_DONE)
-        _account(gw, routed, replica, 200 if done else CLIENT_GONE, _cached_tokens(upstream.headers, tail))
+        # The client left: the handler is cancelled, or a write (the last one included) finds the
+        # connection closing (aiohttp's ClientConnectionResetError, which is no failure of the replica).
+        # One that had [DONE] had its whole answer: the openai client closes on [DONE], often before
+        # the replica's end of stream.
+        if status == 200 and not tail.endswith(SSE_DONE):
+            status = CLIENT_GONE
+        _account(gw, routed, replica, status, _cached_tokens(upstream.headers, tail))
         request[ACCOUNTED] = True
         if isinstance(error, asyncio.CancelledError):
             raise
         return response
-    except (TimeoutError, aiohttp.ClientError) as error:
-        gw.mark_failure(replica)
-        gw.metrics.upstream_errors.labels(replica.id, type(error).__name__).inc()
-        if isinstance(error, TimeoutError):  # silent for limits.request_timeout_s: stuck, or far too slow
-            silent = gw.config.limits.request_timeout_s
-            message, code, status = f"sent nothing for {silent:g} s mid-stream", "upstream_timeout", 504
-        else:
-            message, code, status = f"failed mid-stream: {error!r}", "upstream_failed", 502
-        failed = ApiError(status, f"replica {replica.id} {message}", code=code)
-        await response.write(sse(failed.to_json()) + SSE_DONE)
-    await response.write_eof()
     _account(gw, routed, replica, status, _cached_tokens(upstream.headers, tail))
     return response

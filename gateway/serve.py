@@ -7,9 +7,10 @@ import logging
 import sys
 from pathlib import Path
 
-from gateway.app import create_app, serve
+from gateway.app import create_app
 from gateway.config import load_config
 from policies import ConfigError
+from workers.server import serve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

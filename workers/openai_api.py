@@ -12,6 +12,7 @@ the body is still validated as usual.
 
 from __future__ import annotations
 
+import array
 import json
 import math
 import secrets
@@ -19,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import orjson
 from jinja2 import TemplateError
 
@@ -177,16 +179,27 @@ def _bool(body: Mapping[str, Any], name: str) -> bool | None:
 
 
 def _token_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
-    # On the request path of every token-id prompt: C-level passes (map, set, min, max) instead of a
-    # Python-level check per id. `type(t) is int` also refuses bools, which JSON ids never are.
-    if not isinstance(value, list) or not set(map(type, value)) <= {int}:
+    if isinstance(value, list) and value and _fast_ids_ok(value, vocab_size):
+        return tuple(value)
+    # Finding what is wrong, for the error message, can take the slow way.
+    if not isinstance(value, list) or not all(type(t) is int for t in value):
         raise _bad(name, f"{name} must be a list of integer token ids")
     if not value:
         raise _bad(name, f"{name} must not be empty")
-    if min(value) < 0 or max(value) >= vocab_size:
-        bad = next(t for t in value if not 0 <= t < vocab_size)
-        raise _bad(name, f"{name} holds token id {bad}, outside this model's vocabulary [0, {vocab_size})")
-    return tuple(value)
+    bad = next(t for t in value if not 0 <= t < vocab_size)
+    raise _bad(name, f"{name} holds token id {bad}, outside this model's vocabulary [0, {vocab_size})")
+
+
+def _fast_ids_ok(value: list[Any], vocab_size: int) -> bool:
+    """Whether every item is a token id, checked in three C-level passes, because it runs on every
+    token-id prompt (a per-id Python check cost ~0.1 µs per id). array("I") takes exactly the ints in
+    [0, 2**32), and bools, which JSON's true and false become: those are the only values whose JSON
+    has an "e" in it. numpy finds the largest id."""
+    try:
+        packed = array.array("I", value)
+    except (TypeError, OverflowError):
+        return False
+    return b"e" not in orjson.dumps(value) and int(np.frombuffer(packed, np.uint32).max()) < vocab_size
 
 
 def _check_model(body: Mapping[str, Any], model: ServedModel) -> None:

@@ -601,6 +601,7 @@ def create_app(worker: Worker, *, contexts: Sequence[Context] = ()) -> web.Appli
 
 
 def serve(app: web.Application, **where: Any) -> None:
-    """Run until interrupted, with the settings the worker relies on (handler cancellation); `where`
+    """Run until interrupted, with the settings the worker and the gateway rely on (handler
+    cancellation: a client that leaves cancels its handler, which aborts its work upstream); `where`
     is run_app's host and port, or sock."""
     web.run_app(app, handler_cancellation=True, access_log=None, print=log.info, **where)

@@ -8,11 +8,14 @@ and [DONE], then holds its end of stream back, as a busy server or a slow networ
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from itertools import islice
 
 import httpx
+import orjson
 import pytest
 from aiohttp import web
 
@@ -88,3 +91,51 @@ def test_a_client_that_leaves_is_counted_once_with_its_replica(
     assert _counted(gateway, "499", "") == 0
     # The replica was not blamed for the client's leaving.
     assert gateway.gw.replicas.get(replica).routable
+
+
+# Set by the test when the backend may end its stream.
+END_NOW = threading.Event()
+
+
+async def _ends_when_told(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    chunk = {"id": "c", "object": "text_completion", "model": MODEL, "choices": [{"index": 0, "text": "x"}]}
+    await response.write(sse(chunk) + SSE_DONE)
+    while not END_NOW.is_set():
+        await asyncio.sleep(0.005)
+    await response.write_eof()
+    return response
+
+
+def test_a_client_that_closes_as_the_stream_ends_is_counted_as_served(
+    start_gateway: Callable[..., RunningGateway], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The replica's end of stream and the client's close reach the gateway in one turn of its event
+    loop, the end first: the gateway's last write then finds its client's connection closing. That
+    client had its whole answer (a 200), and the write's failure is nobody's error."""
+    END_NOW.clear()
+    with foreign_backend(MODEL, _ends_when_told) as url:
+        gateway = start_gateway([], wait_for=1, replicas=[{"url": url, "kind": "openai"}])
+        replica = gateway.gw.replicas.all()[0].id
+        body = orjson.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1, "stream": True})
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", gateway.server.port)) as client:
+            client.sendall(head.encode() + body)
+            seen = b""
+            while b"[DONE]" not in seen:
+                seen += client.recv(65536)
+            blocked = threading.Event()
+
+            def block() -> None:
+                blocked.set()
+                time.sleep(0.3)
+
+            gateway.server.loop.call_soon_threadsafe(block)
+            assert blocked.wait(5)
+            END_NOW.set()
+            time.sleep(0.1)  # the end of stream is at the gateway's socket, unread
+        _wait_counted(gateway, "200", replica)
+        assert _counted(gateway, "499", replica) == 0
+        assert gateway.gw.replicas.get(replica).routable
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
