@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import tempfile
@@ -30,11 +30,13 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import orjson
 from tqdm import tqdm
 
 from bench.local_fleet import SimWorkers, local_fleet
 from bench.report import bar_panels, format_table, write_json
 from bench.trace import TraceRequest, load_trace, prompt_tokens
+from gateway.upstream import UpstreamClient, UpstreamError
 from policies import POLICY_NAMES
 
 # The gateway names the replica that served a request here; a worker talked to directly does not.
@@ -212,6 +214,10 @@ def trace_arrivals(
 # -- the load generator ------------------------------------------------------------------------------
 
 
+# The load's failure kinds for the HTTP client's.
+_UPSTREAM_KINDS = {"connect_failed": "connect", "disconnected": "disconnect", "bad_response": "disconnect"}
+
+
 class _Failed(Exception):
     def __init__(self, kind: str) -> None:
         super().__init__(kind)
@@ -233,47 +239,64 @@ async def discover_model(session: aiohttp.ClientSession, url: str) -> str | None
 
 
 async def _stream_one(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout: aiohttp.ClientTimeout
+    client: UpstreamClient, url: str, request: tuple[bytes, int], headers: dict[str, str], timeout_s: float
 ) -> RequestRecord:
-    """One streamed completion, timed from when it is sent; raises _Failed with the kind of failure."""
+    """One streamed completion (its body, and its prompt's length), timed from when it is sent to its
+    [DONE]; raises _Failed with the kind of failure. The stream is then read to its end, so that its
+    connection serves the next request instead of a new one being opened for each; a failure past
+    [DONE] costs the connection, not the answer."""
+    body, prompt_len = request
     start = time.perf_counter()
     chunk_times: list[float] = []
     usage: dict[str, Any] = {}
-    async with session.post(f"{url}/v1/completions", json=body, timeout=timeout) as response:
-        if response.status != 200:
-            raise _Failed(f"http_{response.status}")
-        replica = response.headers.get(REPLICA_HEADER, DIRECT)
-        async for line in response.content:
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            now = time.perf_counter()
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise _Failed("stream_error")
-            choices = chunk.get("choices")
-            if choices and choices[0].get("text"):
-                chunk_times.append(now)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    end = time.perf_counter()
+    end: float | None = None
+    async with asyncio.timeout(timeout_s):
+        response = await client.post(
+            url, "/v1/completions", body, headers, connect_s=timeout_s, read_s=timeout_s
+        )
+        try:
+            if response.status != 200:
+                raise _Failed(f"http_{response.status}")
+            replica = response.headers.get(REPLICA_HEADER, DIRECT)
+            pending = b""
+            while end is None and (chunk := await response.read_chunk()):
+                now = time.perf_counter()
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        end = now
+                        break
+                    event = orjson.loads(data)
+                    if "error" in event:
+                        raise _Failed("stream_error")
+                    choices = event.get("choices")
+                    if choices and choices[0].get("text"):
+                        chunk_times.append(now)
+                    if event.get("usage"):
+                        usage = event["usage"]
+            if end is not None:
+                with contextlib.suppress(UpstreamError, TimeoutError):
+                    await response.read()
+        finally:
+            response.release()
     if not chunk_times:
         raise _Failed("no_output")
     details = usage.get("prompt_tokens_details") or {}
     return RequestRecord(
         ttft_s=chunk_times[0] - start,
         itl_s=tuple(b - a for a, b in itertools.pairwise(chunk_times)),
-        e2e_s=end - start,
-        prompt_tokens=int(usage.get("prompt_tokens", len(body["prompt"]))),
+        e2e_s=(end if end is not None else time.perf_counter()) - start,
+        prompt_tokens=int(usage.get("prompt_tokens", prompt_len)),
         cached_tokens=int(details.get("cached_tokens") or 0),
         output_tokens=int(usage.get("completion_tokens", len(chunk_times))),
         replica=replica,
     )
 
 
-def _body(prompt: Prompt, model: str | None) -> dict[str, Any]:
+def _body(prompt: Prompt, model: str | None) -> tuple[bytes, int]:
     body: dict[str, Any] = {
         "prompt": list(prompt.token_ids),
         "max_tokens": prompt.max_tokens,
@@ -284,21 +307,20 @@ def _body(prompt: Prompt, model: str | None) -> dict[str, Any]:
     }
     if model is not None:
         body["model"] = model
-    return body
+    return orjson.dumps(body), len(prompt.token_ids)
+
+
+def _headers(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
 
 
 def _failure_kind(error: BaseException) -> str:
-    # Order matters: aiohttp's timeouts are ClientErrors too, and connection refusals are OSErrors.
     if isinstance(error, _Failed):
         return error.kind
     if isinstance(error, TimeoutError):
         return "timeout"
-    if isinstance(error, aiohttp.ClientConnectorError):
-        return "connect"
-    if isinstance(error, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
-        return "disconnect"
-    if isinstance(error, aiohttp.ClientError):
-        return "client_error"
+    if isinstance(error, UpstreamError):
+        return _UPSTREAM_KINDS.get(error.kind, "client_error")
     return "bad_stream"  # ValueError: a data line that is not JSON
 
 
@@ -321,12 +343,12 @@ async def replay(
     in all, then count as "unfinished". Failures are counted by kind in `errors`, never raised.
     """
     url = url.rstrip("/")
-    headers = {"Authorization": f"Bearer {api_key}"}
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    connector = aiohttp.TCPConnector(limit=concurrency_limit)
-    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
-        if model is None:
+    headers = _headers(api_key)
+    if model is None:
+        async with aiohttp.ClientSession(headers=headers) as session:
             model = await discover_model(session, url)
+    client = UpstreamClient()
+    try:
         slots = asyncio.Semaphore(concurrency_limit)
         records: list[RequestRecord] = []
         errors: Counter[str] = Counter()
@@ -339,8 +361,8 @@ async def replay(
             nonlocal last_end
             async with slots:
                 try:
-                    records.append(await _stream_one(session, url, _body(prompt, model), timeout))
-                except (_Failed, aiohttp.ClientError, TimeoutError, ValueError) as error:
+                    records.append(await _stream_one(client, url, _body(prompt, model), headers, timeout_s))
+                except (_Failed, UpstreamError, TimeoutError, ValueError) as error:
                     errors[_failure_kind(error)] += 1
             last_end = max(last_end, loop.time())
             bar.update()
@@ -361,6 +383,8 @@ async def replay(
             if unfinished:
                 errors["unfinished"] += len(unfinished)
         bar.close()
+    finally:
+        client.close()
     return ReplayResult(url, len(tasks), last_end - start, records, errors)
 
 
@@ -380,29 +404,30 @@ async def closed_loop(
     if concurrency < 1 or duration_s <= 0 or not prompts:
         raise ValueError("closed_loop needs concurrency >= 1, duration_s > 0 and at least one prompt")
     url = url.rstrip("/")
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    headers = {"Authorization": f"Bearer {api_key}"}
+    headers = _headers(api_key)
     records: list[RequestRecord] = []
     errors: Counter[str] = Counter()
     bodies = itertools.cycle([_body(p, model) for p in prompts])
     sent = 0
-    async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
+    client = UpstreamClient()
+    try:
         loop = asyncio.get_running_loop()
         start = loop.time()
         end = start + duration_s
 
-        async def client() -> None:
+        async def one_client() -> None:
             nonlocal sent
             while loop.time() < end:
                 sent += 1
                 try:
-                    records.append(await _stream_one(session, url, next(bodies), timeout))
-                except (_Failed, aiohttp.ClientError, TimeoutError, ValueError) as error:
+                    records.append(await _stream_one(client, url, next(bodies), headers, timeout_s))
+                except (_Failed, UpstreamError, TimeoutError, ValueError) as error:
                     errors[_failure_kind(error)] += 1
 
-        await asyncio.gather(*(client() for _ in range(concurrency)))
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
         elapsed = loop.time() - start
+    finally:
+        client.close()
     return ReplayResult(url, sent, elapsed, records, errors)
 
 

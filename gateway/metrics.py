@@ -84,7 +84,8 @@ class GatewayMetrics:
         )
         self.upstream_errors = Counter(
             "prefixgate_gateway_upstream_errors",
-            "Forwards that failed before a response (connect errors, refusals) by replica and kind",
+            "Forwards that failed, by replica and kind: connect_failed, timeout, disconnected, bad_response, "
+            "bad_url, or http_429/http_503 (a refusal retried elsewhere)",
             ("replica", "kind"),
             registry=registry,
         )
