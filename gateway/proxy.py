@@ -256,16 +256,19 @@ async def _relay_stream(
     status = 200
     try:
         await response.prepare(request)
-        await response.write(first)
         itl = gw.metrics.child(gw.metrics.itl, routed.model)
-        last = time.monotonic()
+        chunk, last = first, time.monotonic()
         try:
-            while chunk := await upstream.read_chunk():
-                now = time.monotonic()
-                itl.observe(now - last)
-                last = now
+            # Chunks go out as they came, the last with the end of the stream in the same write (and
+            # the headers too, for an answer whole in its first chunk): one send, one client wake-up.
+            while not upstream.at_end:
                 await response.write(chunk)
-                tail = (tail + chunk)[-_TAIL_BYTES:]
+                chunk = await upstream.read_chunk()
+                if chunk:
+                    now = time.monotonic()
+                    itl.observe(now - last)
+                    last = now
+                    tail = (tail + chunk)[-_TAIL_BYTES:]
         except (TimeoutError, UpstreamError) as error:
             gw.mark_failure(replica)
             gw.metrics.upstream_errors.labels(replica.id, _kind(error)).inc()
@@ -274,9 +277,8 @@ async def _relay_stream(
                 message, code, status = f"sent nothing for {silent:g} s mid-stream", "upstream_timeout", 504
             else:
                 message, code, status = f"failed mid-stream: {error!r}", "upstream_failed", 502
-            failed = ApiError(status, f"replica {replica.id} {message}", code=code)
-            await response.write(sse(failed.to_json()) + SSE_DONE)
-        await response.write_eof()
+            chunk = sse(ApiError(status, f"replica {replica.id} {message}", code=code).to_json()) + SSE_DONE
+        await response.write_eof(chunk)
     except (asyncio.CancelledError, ConnectionResetError) as error:
         # The client left: the handler is cancelled, or a write (the last one included) finds the
         # connection closing (aiohttp's ClientConnectionResetError, which is no failure of the replica).

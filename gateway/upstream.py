@@ -26,6 +26,8 @@ from multidict import CIMultiDict
 
 # Buffered answer bytes past which the socket is paused until the consumer catches up.
 _HIGH_WATER = 256 * 1024
+# Idle connections kept per replica: a burst's extra connections are closed once it has passed.
+MAX_IDLE_PER_ORIGIN = 128
 
 
 class UpstreamError(Exception):
@@ -122,6 +124,11 @@ class UpstreamResponse:
             self._conn.resume()
         self._buffered = 0
         return data
+
+    @property
+    def at_end(self) -> bool:
+        """Whether the body has ended and every byte of it was read."""
+        return self._complete and not self._chunks
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -356,8 +363,13 @@ class UpstreamClient:
         return conn, False
 
     def give_back(self, conn: _Connection) -> None:
-        if not conn.closed:
-            self._idle.setdefault(conn.origin, []).append(conn)
+        if conn.closed:
+            return
+        idle = self._idle.setdefault(conn.origin, [])
+        if len(idle) < MAX_IDLE_PER_ORIGIN:
+            idle.append(conn)
+        else:
+            conn.close()
 
     def forget(self, conn: _Connection) -> None:
         """An idle connection the replica closed (its keep-alive timeout)."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.upstream import _HIGH_WATER, UpstreamClient, UpstreamError, origin_of
+from gateway.upstream import _HIGH_WATER, MAX_IDLE_PER_ORIGIN, UpstreamClient, UpstreamError, origin_of
 from tests.conftest import free_port
 
 Reply = Callable[["Peer", bytes], Awaitable[None]]
@@ -163,6 +163,27 @@ def test_a_kept_alive_connection_closed_by_the_replica_is_retried_once_on_a_new_
             response.release()
         assert server.connections == 2
         assert len(server.requests) == 3
+
+    serve(reply, test)
+
+
+def test_a_burst_leaves_a_bounded_number_of_idle_connections() -> None:
+    async def reply(peer: Peer, _: bytes) -> None:
+        await asyncio.sleep(0.05)  # all of the burst in flight at once
+        peer.send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    async def one(server: Server, client: UpstreamClient) -> bytes:
+        response = await post(client, server)
+        try:
+            return await response.read()
+        finally:
+            response.release()
+
+    async def test(server: Server, client: UpstreamClient) -> None:
+        burst = MAX_IDLE_PER_ORIGIN + 40
+        assert await asyncio.gather(*(one(server, client) for _ in range(burst))) == [b"ok"] * burst
+        assert server.connections == burst
+        assert client.idle_connections() == MAX_IDLE_PER_ORIGIN
 
     serve(reply, test)
 
