@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +39,7 @@ class Server:
     """Reads each request (head and Content-Length body) and lets `reply` answer it."""
 
     reply: Reply
+    scheme: str = "http"
     port: int = 0
     connections: int = 0
     requests: list[bytes] = field(default_factory=list)
@@ -63,13 +67,15 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
 
-def serve(reply: Reply, test: Callable[[Server, UpstreamClient], Awaitable[None]]) -> None:
+def serve(
+    reply: Reply, test: Callable[[Server, UpstreamClient], Awaitable[None]], tls: ssl.SSLContext | None = None
+) -> None:
     async def main() -> None:
-        server = Server(reply)
-        listener = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+        server = Server(reply, scheme="https" if tls else "http")
+        listener = await asyncio.start_server(server.handle, "127.0.0.1", 0, ssl=tls)
         server.port = listener.sockets[0].getsockname()[1]
         client = UpstreamClient()
         try:
@@ -281,3 +287,53 @@ def test_the_replica_url_path_prefixes_every_request_and_names_the_host() -> Non
     assert origin_of("http://bücher.example:81").authority == "xn--bcher-kva.example:81"
     with pytest.raises(ValueError, match="http:// or https://"):
         origin_of("unix:///tmp/worker.sock")
+
+
+def test_an_https_replica_is_reached_only_with_a_certificate_the_gateway_trusts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+
+    async def reply(peer: Peer, _: bytes) -> None:
+        peer.send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    async def untrusted(server: Server, client: UpstreamClient) -> None:
+        with pytest.raises(UpstreamError) as refused:
+            await post(client, server)
+        assert refused.value.kind == "connect_failed" and "CERTIFICATE_VERIFY_FAILED" in str(refused.value)
+
+    serve(reply, untrusted, tls)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the system's trust store, as an operator extends it
+
+    async def trusted(server: Server, client: UpstreamClient) -> None:
+        response = await post(client, server)
+        try:
+            assert (response.status, await response.read()) == (200, b"ok")
+        finally:
+            response.release()
+
+    serve(reply, trusted, tls)
