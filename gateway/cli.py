@@ -20,6 +20,7 @@ COMMANDS = {
 BENCHMARKS = {
     "radix": ("bench.radix_speed", "hashing and index-match speed and memory"),
     "engine": ("bench.engine", "the engine against HF transformers on one machine"),
+    "cuda-check": ("bench.cuda_check", "the engine on a CUDA device: HF's tokens, speed, cached-prefix TTFT"),
     "fleet": ("bench.fleet", "a trace over simulated replicas (real scheduler)"),
     "replay": ("bench.replay", "open-loop load against an OpenAI endpoint"),
     "overhead": ("bench.overhead", "the gateway's added latency and capacity"),

@@ -23,13 +23,10 @@ from workers.kv_events import KVEventLog
 from workers.server import Worker, create_app
 
 
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, LoadedModel]:
-    """A random 2-layer Llama over SmolLM2's tokenizer, so that text paths run on real tokens."""
-    tokenizer = load_tokenizer(convert_gguf(default_gguf_path()))
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+def tiny_llama_config(vocab_size: int, eos_token_id: int | None = None) -> LlamaConfig:
+    """A 2-layer Llama with GQA (4 query heads on 2 KV heads), small enough for a test's CPU."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -38,9 +35,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, Lo
         max_position_embeddings=512,
         rope_theta=10000.0,
         tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=eos_token_id,
     )
-    hf = LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, LoadedModel]:
+    """A random 2-layer Llama over SmolLM2's tokenizer, so that text paths run on real tokens."""
+    tokenizer = load_tokenizer(convert_gguf(default_gguf_path()))
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tokenizer.eos_token_id)).eval()
     folder: Path = tmp_path_factory.mktemp("tiny-llama")
     hf.save_pretrained(folder)
     model = load_weights(folder)

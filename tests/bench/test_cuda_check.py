@@ -1,0 +1,48 @@
+"""`bench cuda-check` refuses without CUDA, and its whole check runs (on the CPU, with a tiny model's
+shape) with the engine's greedy tokens equal to HF's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.cuda_check import FOLDER_FILES
+from gateway.cli import main
+from tests.workers.conftest import tiny_llama_config
+from workers.engine.loader import convert_gguf, default_gguf_path
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_it_refuses_clearly_without_a_cuda_device() -> None:
+    with pytest.raises(SystemExit, match="no CUDA device here"):
+        main(["bench", "cuda-check"])
+
+
+def test_the_whole_check_runs_and_matches_hf(tmp_path: Path) -> None:
+    shape = tmp_path / "tiny-shape"
+    smollm2 = convert_gguf(default_gguf_path())
+    shape.mkdir()
+    for name in FOLDER_FILES[1:]:
+        if (smollm2 / name).is_file():
+            shutil.copy(smollm2 / name, shape / name)
+    vocab_size = json.loads((smollm2 / "config.json").read_text())["vocab_size"]
+    tiny_llama_config(vocab_size).save_pretrained(shape)
+    out = tmp_path / "cuda_check.json"
+    argv = ["bench", "cuda-check", "--device", "cpu", "--shape-from", str(shape), "--requests", "6"]
+    argv += ["--prompt", "24", "--output", "5", "--hf-batch", "3", "--prefix-prompt", "256"]
+    argv += ["--prefix-cached", "240", "--json", str(out)]
+    assert main(argv) == 0
+    payload = json.loads(out.read_text())
+    assert payload["backend"] == "torch_sdpa"
+    check = payload["greedy_match_fp32"]
+    assert check["matched"] == check["prompts"] == 8
+    speed = payload["throughput_bf16"]
+    assert speed["engine_out_tok_s"] > 0 and speed["hf_generate_out_tok_s"] > 0
+    assert speed["engine_steps"] >= speed["output"]  # one step per output token at least
+    prefix = payload["prefix_ttft_bf16"]
+    assert prefix["cached_tokens"] == 240 and 0 < prefix["cached_s"] < prefix["cold_s"]
+    assert out.with_suffix(".png").stat().st_size > 0
