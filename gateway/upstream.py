@@ -320,7 +320,8 @@ class UpstreamClient:
         ]
         lines += [f"{name}: {value}\r\n" for name, value in headers.items()]
         lines.append("\r\n")
-        data = "".join(lines).encode("latin-1") + body
+        # aiohttp hands header values over as UTF-8 with surrogate escapes: this gives back their bytes.
+        data = "".join(lines).encode("utf-8", "surrogateescape") + body
         for fresh in (False, True):
             conn, reused = await self._acquire(origin, connect_s, fresh)
             response = conn.send(data, read_s)

@@ -88,14 +88,8 @@ def serve(
 
 
 async def post(client: UpstreamClient, server: Server, path: str = "/v1/completions", read_s: float = 5.0):
-    return await client.post(
-        server.url,
-        path,
-        b'{"prompt": "hi"}',
-        {"Content-Type": "application/json"},
-        connect_s=5,
-        read_s=read_s,
-    )
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer clé"}
+    return await client.post(server.url, path, b'{"prompt": "hi"}', headers, connect_s=5, read_s=read_s)
 
 
 def test_a_stream_arrives_chunk_by_chunk_not_when_it_ends() -> None:
@@ -120,6 +114,7 @@ def test_a_stream_arrives_chunk_by_chunk_not_when_it_ends() -> None:
         head = server.requests[0].split(b"\r\n\r\n")[0].split(b"\r\n")
         assert head[0] == b"POST /v1/completions HTTP/1.1"
         assert f"Host: 127.0.0.1:{server.port}".encode() in head
+        assert "Authorization: Bearer clé".encode() in head  # a client's key, forwarded byte for byte
         assert server.requests[0].endswith(b'{"prompt": "hi"}')
 
     serve(reply, test)
