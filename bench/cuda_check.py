@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from bench.engine import cached_prefix_ttft, synchronize
 from bench.report import bar_panels, format_table, write_json
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.loader import LoadedModel, convert_gguf, default_gguf_path, load_tokenizer, load_weights
@@ -50,11 +51,6 @@ def loaded(folder: Path, dtype: torch.dtype, device: str) -> LoadedModel:
     return LoadedModel(model, load_tokenizer(folder), folder.name, model.config, folder)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 @dataclass(frozen=True, slots=True)
 class Generated:
     tokens: list[list[int]]
@@ -64,21 +60,21 @@ class Generated:
 
 
 def generate(
-    model: LoadedModel, prompts: list[list[int]], new_tokens: int, config: EngineConfig, device: str
+    model: LoadedModel, prompts: list[list[int]], new_tokens: int, config: EngineConfig
 ) -> Generated:
     """Greedy outputs of the engine for every prompt, and the time and steps they took."""
     engine = Engine(model, config)
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     tokens: dict[int, list[int]] = {i: [] for i in ids}
-    _sync(device)
+    synchronize(model)
     start = time.perf_counter()
     steps = 0
     while engine.has_work():
         for out in engine.step():
             tokens[out.request_id] += out.new_token_ids
         steps += 1
-    _sync(device)
+    synchronize(model)
     seconds = time.perf_counter() - start
     return Generated([tokens[i] for i in ids], seconds, steps, engine.runner.attention.name)
 
@@ -94,28 +90,6 @@ def hf_greedy(hf: Any, prompt: list[int], new_tokens: int, device: str) -> list[
     return out[0, len(prompt) :].tolist()
 
 
-def prefix_ttft(model: LoadedModel, prompt_tokens: int, cached: int, device: str, rng: random.Random) -> dict:
-    """TTFT of a prompt cold, and of one sharing `cached` tokens with it (one output token each)."""
-    engine = Engine(model, EngineConfig(block_size=16, num_blocks=4 * (prompt_tokens // 16 + 1)))
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    vocab = model.config.vocab_size
-
-    def ttft(prompt: list[int]) -> float:
-        _sync(device)
-        start = time.perf_counter()
-        engine.add_request(prompt, params)
-        while engine.has_work():
-            engine.step()
-        _sync(device)
-        return time.perf_counter() - start
-
-    ttft([rng.randrange(vocab) for _ in range(prompt_tokens)])  # kernels and allocator warm
-    base = [rng.randrange(vocab) for _ in range(prompt_tokens)]
-    cold = ttft(base)
-    warm = ttft(base[:cached] + [rng.randrange(vocab) for _ in range(prompt_tokens - cached)])
-    return {"prompt_tokens": prompt_tokens, "cached_tokens": cached, "cold_s": cold, "cached_s": warm}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shape-from",
@@ -129,6 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch", type=int, default=64, help="HF generate's batch size")
     parser.add_argument("--prefix-prompt", type=int, default=2000)
     parser.add_argument("--prefix-cached", type=int, default=1984)
+    parser.add_argument("--prefix-repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
 
@@ -147,7 +122,7 @@ def run(args: argparse.Namespace) -> dict:
         fp32 = loaded(folder, torch.float32, device)
         vocab = fp32.config.vocab_size
         prompts = [[rng.randrange(vocab) for _ in range(n)] for n in CHECK_PROMPT_LENS]
-        check = generate(fp32, prompts, CHECK_NEW_TOKENS, EngineConfig(block_size=16, num_blocks=512), device)
+        check = generate(fp32, prompts, CHECK_NEW_TOKENS, EngineConfig(block_size=16, num_blocks=512))
         expected = [hf_greedy(hf, p, CHECK_NEW_TOKENS, device) for p in prompts]
         matches = sum(e == g for e, g in zip(expected, check.tokens, strict=True))
         del fp32
@@ -158,11 +133,11 @@ def run(args: argparse.Namespace) -> dict:
         config = EngineConfig(
             block_size=16, num_blocks=blocks, max_num_seqs=args.requests, max_num_batched_tokens=8192
         )
-        generate(bf16, batch[:4], 8, config, device)  # warm-up
-        timed = generate(bf16, batch, args.output, config, device)
+        generate(bf16, batch[:4], 8, config)  # warm-up
+        timed = generate(bf16, batch, args.output, config)
         hf = hf.to(torch.bfloat16)
         hf_greedy(hf, batch[0], 8, device)  # warm-up
-        _sync(device)
+        synchronize(bf16)
         start = time.perf_counter()
         for first in range(0, args.requests, args.hf_batch):
             with torch.no_grad():
@@ -172,9 +147,15 @@ def run(args: argparse.Namespace) -> dict:
                     min_new_tokens=args.output,
                     do_sample=False,
                 )
-        _sync(device)
+        synchronize(bf16)
         hf_s = time.perf_counter() - start
-        prefix = prefix_ttft(bf16, args.prefix_prompt, args.prefix_cached, device, rng)
+        cold, warm = cached_prefix_ttft(bf16, args.prefix_prompt, args.prefix_cached, args.prefix_repeats)
+        prefix = {
+            "prompt_tokens": args.prefix_prompt,
+            "cached_tokens": args.prefix_cached,
+            "cold_s": cold,
+            "cached_s": warm,
+        }
     generated = args.requests * args.output
     payload = {
         "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else device,

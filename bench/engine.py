@@ -217,9 +217,18 @@ def run_hf_continuous(
     return Result(produced / elapsed, ttft, elapsed)
 
 
-def cached_prefix_ratio(loaded: LoadedModel, prompt_tokens: int, cached_tokens: int, repeats: int) -> float:
-    """TTFT of a prompt whose first `cached_tokens` are in the prefix cache over the same prompt cold
-    (medians over `repeats`; each cold run uses a fresh prefix, each warm one re-warms its own)."""
+def synchronize(loaded: LoadedModel) -> None:
+    """Wait for the model's device to finish its queued kernels, so a clock read after is honest."""
+    device = next(loaded.model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cached_prefix_ttft(
+    loaded: LoadedModel, prompt_tokens: int, cached_tokens: int, repeats: int
+) -> tuple[float, float]:
+    """Median TTFT of a prompt cold, and with its first `cached_tokens` in the prefix cache (each cold
+    run uses a fresh prefix, each warm one re-warms its own)."""
     engine = Engine(loaded, EngineConfig(block_size=16, max_num_batched_tokens=prompt_tokens))
     rng = random.Random(7)
     vocab = loaded.config.vocab_size
@@ -227,9 +236,11 @@ def cached_prefix_ratio(loaded: LoadedModel, prompt_tokens: int, cached_tokens: 
 
     def ttft(prompt: list[int]) -> float:
         engine.add_request(prompt, one)
+        synchronize(loaded)
         t = time.perf_counter()
         while engine.has_work():
             engine.step()
+        synchronize(loaded)
         return time.perf_counter() - t
 
     cold, warm = [], []
@@ -239,7 +250,7 @@ def cached_prefix_ratio(loaded: LoadedModel, prompt_tokens: int, cached_tokens: 
         cold.append(ttft(prefix + tail))
         ttft([*prefix, 1])
         warm.append(ttft(prefix + [rng.randrange(vocab) for _ in range(prompt_tokens - cached_tokens)]))
-    return statistics.median(warm) / statistics.median(cold)
+    return statistics.median(cold), statistics.median(warm)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -264,7 +275,8 @@ def run(args: argparse.Namespace) -> dict:
     static = run_hf_static(hf, requests, args.static_batch, pad)
     blocks = -(-longest // 16) * args.requests
     continuous = run_hf_continuous(hf, requests, args.max_batch_tokens, args.requests, blocks, 16)
-    ratio = cached_prefix_ratio(loaded, args.prefix_prompt, args.prefix_cached, args.prefix_repeats)
+    cold, warm = cached_prefix_ttft(loaded, args.prefix_prompt, args.prefix_cached, args.prefix_repeats)
+    ratio = warm / cold
     payload = {
         "engine": engine.summary(),
         "hf_static": static.summary(),
