@@ -50,7 +50,7 @@ import yaml
 
 from bench.local_fleet import Child, cli, free_port, spawn, start_redis, stop
 from bench.report import bar_panels, format_table, write_json
-from workers.redis_keys import WORKERS, worker_key
+from protocol.redis_keys import WORKERS, worker_key
 from workers.sim.profiles import get_profile, profile_to_json
 
 MODEL = "Llama-3.1-8B-Instruct"  # the h100-8b profile's model, which every worker here serves

@@ -22,8 +22,9 @@ import torch
 
 from bench.engine import cached_prefix_ttft, synchronize
 from bench.report import bar_panels, format_table, write_json
+from protocol.models import default_gguf_path
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.loader import LoadedModel, convert_gguf, default_gguf_path, load_tokenizer, load_weights
+from workers.engine.loader import LoadedModel, convert_gguf, load_tokenizer, load_weights
 from workers.engine.sampling_params import SamplingParams
 
 # The files of a model folder besides its weights: what a random model of that shape needs.

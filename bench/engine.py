@@ -271,7 +271,8 @@ def run(args: argparse.Namespace) -> dict:
         block_size=16, max_num_batched_tokens=args.max_batch_tokens, max_num_seqs=args.requests
     )
     engine, kv = run_engine(loaded, requests, config)
-    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+    pad = loaded.tokenizer.special_token_id("pad_token")
+    pad = 0 if pad is None else pad
     static = run_hf_static(hf, requests, args.static_batch, pad)
     blocks = -(-longest // 16) * args.requests
     continuous = run_hf_continuous(hf, requests, args.max_batch_tokens, args.requests, blocks, 16)

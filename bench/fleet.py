@@ -27,7 +27,7 @@ from bench.report import bar_panels, format_table, write_json
 from bench.trace import TraceRequest, load_trace, prompt_tokens
 from policies import POLICY_NAMES, ReplicaView, RouteRequest, RoutingConfig, build_policy
 from radix import RadixIndex, block_hashes
-from workers.engine.batch import StepOutput
+from workers.engine.batch import StepOutput, sample_slots
 from workers.engine.sampling_params import SamplingParams
 from workers.sim.cost_model import chunk_shape
 from workers.sim.engine import SimEngine
@@ -117,7 +117,7 @@ def simulate(
         chunks = scheduler.schedule(r.clock.now())
         # Token values only feed decode blocks' hashes, which no other request shares: one fixed
         # non-EOS token keeps the sampling out of the hot loop.
-        outputs = [StepOutput(c.seq_id, filler) for c in chunks if c.sample]
+        outputs = [StepOutput(slot.seq_id, filler) for slot in sample_slots(chunks)]
         r.clock.wait(runner.step_time(chunks))
         now = r.clock.now()
         for seq in scheduler.update(chunks, outputs, now):

@@ -251,8 +251,8 @@ async def _stream_one(
     usage: dict[str, Any] = {}
     end: float | None = None
     async with asyncio.timeout(timeout_s):
-        response = await client.post(
-            url, "/v1/completions", body, headers, connect_s=timeout_s, read_s=timeout_s
+        response = await client.request(
+            "POST", url, "/v1/completions", body, headers, connect_s=timeout_s, read_s=timeout_s
         )
         try:
             if response.status != 200:

@@ -1,16 +1,23 @@
 """The gateway's HTTP surface: the OpenAI API in front, admin and debug routes behind a token.
 
-Validation reuses the workers' OpenAI parsing (workers.openai_api), so a request the gateway accepts
-is one a bundled worker accepts, and every refusal has the same shape and status on both.
+In front of its replicas the gateway is transparent (DESIGN §2): it judges only what is its own to
+judge — a body that is not JSON where a route needs one, a body too big, a model no replica serves,
+auth, its own in-flight limit — and forwards everything else as the client sent it, every OpenAI
+field and vendor extension included, to be judged by the replica that serves it. Chat, completion and
+Responses requests are routed by their prompt's prefix; a Responses request that continues an earlier
+response goes to the replica holding it; every other route (embeddings, scoring, tokenize, any /v1
+path a replica serves) by load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import ipaddress
 import logging
 import os
+import re
 import secrets
 import signal
 import socket
@@ -24,50 +31,83 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.config import GatewayConfig, ReplicaEntry, load_config
 from gateway.gateway import Gateway
-from gateway.metrics import CONTENT_TYPE
 from gateway.openapi import OPENAPI
 from gateway.proxy import ACCOUNTED, Routed, forward
-from gateway.router import decide
+from gateway.replicas import Replica
+from gateway.request_view import PREFIX_ROUTES, RequestView, Route, read_request
+from gateway.router import Decision, decide
 from policies import ConfigError
-from workers.openai_api import (
-    CLIENT_GONE,
-    RETRY_AFTER_S,
-    ApiError,
-    GenerationRequest,
-    ServedModel,
-    parse_chat,
-    parse_completion,
-    parse_json,
-    sampling_params,
-)
+from protocol.errors import CLIENT_GONE, RETRY_AFTER_S, ApiError
+from protocol.openai_api import parse_json
+from protocol.serving import METRICS_CONTENT_TYPE
 
 log = logging.getLogger("prefixgate.gateway")
 
 GATEWAY = web.AppKey("gateway", Gateway)
 CONFIG_PATH = web.AppKey("config_path", Path)
-# Token ids are packed as uint32 for hashing: the widest vocabulary a model without tokenizer may use.
-UNKNOWN_VOCAB = 2**32
 # The request content codings aiohttp decodes (br and zstd only with optional packages, not installed:
 # its parser refuses those itself).
 DECODED_CODINGS = frozenset({"identity", "gzip", "deflate"})
+# Routes the gateway serves by name (everything else under /v1 is "other"), and what it reads of them.
+NAMED_ROUTES: dict[str, Route] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+    "/v1/score": "score",
+    "/score": "score",
+    "/v1/rerank": "score",
+    "/rerank": "score",
+    "/v2/rerank": "score",
+    "/classify": "score",
+    "/pooling": "score",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
+# A Responses API object by id (GET, DELETE, /cancel, /input_items): served where it was produced.
+_RESPONSE_PATH = re.compile(r"^/v1/responses/([^/]+)")
+PROXIED_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+# Client headers that describe the client's connection to the gateway, or that the gateway sets itself
+# upstream: never forwarded. The body arrives decoded, hence Content-Encoding; Accept-Encoding too, so
+# that replicas answer uncompressed and the gateway can read the usage it learns from.
+_NOT_FORWARDED = frozenset(
+    {
+        "host",
+        "connection",
+        "keep-alive",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "content-encoding",
+        "accept-encoding",
+        "expect",
+        "authorization",
+    }
+)
 
 
 # -- the OpenAI API -------------------------------------------------------------------------------
 
 
-def _model_of(gw: Gateway, body: dict[str, Any]) -> str:
-    name = body.get("model")
+def _model_of(gw: Gateway, name: str | None, required: bool) -> str | None:
+    """The model a request is for: the one it names, else the default one (the configured default, or
+    the only one). Naming a model no replica serves is a 404. A route that needs a model (`required`)
+    and names none when several are served is a 400; any other is then served by any replica."""
     models = gw.replicas.models()
     if name is None:
         if gw.config.model is not None and gw.config.model in models:
             return gw.config.model
         if len(models) == 1:
             return models[0]
+        if not required:
+            return None
         raise ApiError(
             400, f"model is required: this gateway serves {models}", param="model", code="model_required"
         )
-    if not isinstance(name, str):
-        raise ApiError(400, "model must be a string", param="model", code="invalid_value")
     if name not in models:
         raise ApiError(
             404,
@@ -78,41 +118,13 @@ def _model_of(gw: Gateway, body: dict[str, Any]) -> str:
     return name
 
 
-async def _served(gw: Gateway, model: str) -> ServedModel:
-    replicas = gw.replicas.serving(model)
-    tokenizer = await gw.tokenizers.load(model)
-    return ServedModel(
-        name=model,
-        vocab_size=len(tokenizer) if tokenizer is not None else UNKNOWN_VOCAB,  # type: ignore[arg-type]
-        max_context_len=min(r.max_context_len for r in replicas),
-        kv_capacity_tokens=max(r.block_size * r.capacity_blocks for r in replicas),
-    )
+def _session_key(gw: Gateway, request: web.Request, view: RequestView) -> str | None:
+    return request.headers.get(gw.config.routing.session_affinity.header) or view.user
 
 
-def _session_key(gw: Gateway, request: web.Request, body: dict[str, Any]) -> str | None:
-    value = request.headers.get(gw.config.routing.session_affinity.header)
-    user = body.get("user")
-    return value or (user if isinstance(user, str) else None)
-
-
-async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
-    """One generation request, counted in the gateway's in-flight total from before its body is read
-    until its response ends (or its client leaves): past `limits.max_inflight` it is refused with 429
-    before it costs anything, which is what bounds the gateway's memory under a burst."""
-    gw = request.app[GATEWAY]
-    limit = gw.config.limits.max_inflight
-    if gw.inflight >= limit:
-        raise ApiError(
-            429,
-            f"the gateway is at its limit of {limit} requests in flight; retry shortly",
-            code="gateway_overloaded",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
-    gw.inflight += 1
-    try:
-        return await _route_and_forward(gw, request, chat)
-    finally:
-        gw.inflight -= 1
+def forwarded_headers(request: web.Request) -> dict[str, str]:
+    """The client's end-to-end headers, as they go upstream (Authorization by the config's rule)."""
+    return {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
 
 
 async def read_body(gw: Gateway, request: web.Request) -> bytes:
@@ -140,32 +152,83 @@ async def read_body(gw: Gateway, request: web.Request) -> bytes:
         ) from None
 
 
-async def _route_and_forward(gw: Gateway, request: web.Request, chat: bool) -> web.StreamResponse:
+def _json_body(request: web.Request, route: Route, raw: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object. The named routes take nothing else (400); the others may carry any
+    content (a file upload), and are then routed without reading it."""
+    if route != "other":
+        return parse_json(raw)
+    if not raw or not request.content_type.endswith("json"):
+        return None
+    try:
+        return parse_json(raw)
+    except ApiError:
+        return None
+
+
+def _proxy(route: Route | None) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The handler of a proxied route (None: any /v1 path; a named one with another method than POST,
+    such as a GET of stored chat completions, is "other" too)."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await _proxied(request, route or "other")
+
+    return handle
+
+
+def _route_of(request: web.Request) -> Route:
+    return NAMED_ROUTES.get(request.path, "other") if request.method == "POST" else "other"
+
+
+def _proxied_path(path: str) -> bool:
+    """The API routes: keys apply, and their outcomes are counted."""
+    return path.startswith("/v1/") or path in NAMED_ROUTES
+
+
+async def _proxied(request: web.Request, route: Route) -> web.StreamResponse:
+    """One proxied request, counted in the gateway's in-flight total from before its body is read
+    until its response ends (or its client leaves): past `limits.max_inflight` it is refused with 429
+    before it costs anything, which is what bounds the gateway's memory under a burst."""
+    gw = request.app[GATEWAY]
+    limit = gw.config.limits.max_inflight
+    if gw.inflight >= limit:
+        raise ApiError(
+            429,
+            f"the gateway is at its limit of {limit} requests in flight; retry shortly",
+            code="gateway_overloaded",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    gw.inflight += 1
+    try:
+        return await _route_and_forward(gw, request, route)
+    finally:
+        gw.inflight -= 1
+
+
+async def _route_and_forward(gw: Gateway, request: web.Request, route: Route) -> web.StreamResponse:
     arrival = time.monotonic()
-    raw = await read_body(gw, request)
-    body = parse_json(raw)
-    model = _model_of(gw, body)
-    served = await _served(gw, model)
-    gen: GenerationRequest = (parse_chat if chat else parse_completion)({**body, "model": model}, served)
-    tokens = await gw.tokenizers.token_ids(gen, model)
-    if tokens is not None:
-        sampling_params(gen, len(tokens), served)  # the context-window checks, before any forwarding
-    decision = decide(
-        gw.policy, gw.index, gw.replicas.serving(model), tokens, _session_key(gw, request, body)
-    )
-    gw.metrics.child(gw.metrics.decision, gw.policy.name).observe(decision.seconds)
-    if decision.order:
-        chosen = gw.replicas.get(decision.order[0])
-        if chosen is not None and not gw.precise(chosen) and decision.hashes.get(chosen.block_size):
-            gw.predictions.record(chosen.id, decision.hashes[chosen.block_size], time.time())
+    raw = await read_body(gw, request) if request.body_exists else b""
+    body = _json_body(request, route, raw)
+    view = read_request(route, body)
+    model = _model_of(gw, view.model, required=route in PREFIX_ROUTES)
+    replicas = gw.replicas.serving(model) if model is not None else gw.replicas.all()
+    tokens = await gw.tokenizers.prompt_ids(view, model) if model is not None else None
+    decision = await _decide(gw, request, route, view, replicas, tokens)
+    if route in PREFIX_ROUTES:
+        gw.metrics.child(gw.metrics.decision, gw.policy.name).observe(decision.seconds)
+        if decision.order:
+            chosen = gw.replicas.get(decision.order[0])
+            if chosen is not None and not gw.precise(chosen) and decision.hashes.get(chosen.block_size):
+                gw.predictions.record(chosen.id, decision.hashes[chosen.block_size], time.time())
     routed = Routed(
-        model=model,
-        path=request.path,
+        route=route,
+        model=model or "",
+        method=request.method,
+        target=request.raw_path,
         raw=raw,
         body=body,
+        headers=forwarded_headers(request),
         tokens=tokens,
-        tokenized=gen.token_ids is None,
-        stream=gen.stream,
+        tokenized=view.token_ids is None and tokens is not None,
         decision=decision,
         arrival=arrival,
         authorization=request.headers.get("Authorization"),
@@ -173,12 +236,27 @@ async def _route_and_forward(gw: Gateway, request: web.Request, chat: bool) -> w
     return await forward(gw, request, routed)
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=False)
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=True)
+async def _decide(
+    gw: Gateway,
+    request: web.Request,
+    route: Route,
+    view: RequestView,
+    replicas: list[Replica],
+    tokens: list[int] | None,
+) -> Decision:
+    """The policy's choice by prefix, or by load; a stored response's own replica first and alone, when
+    it can take the request (no other replica holds that response)."""
+    if route in PREFIX_ROUTES:
+        decision = decide(gw.policy, gw.index, replicas, tokens, _session_key(gw, request, view))
+    else:
+        decision = decide(gw.by_load, gw.index, replicas, None)
+    found = _RESPONSE_PATH.match(request.path)
+    response_id = view.previous_response_id or (found.group(1) if found else None)
+    if response_id is not None:
+        owner = gw.replicas.get(await gw.response_owners.owner(response_id) or "")
+        if owner is not None and owner.routable and owner in replicas:
+            return dataclasses.replace(decision, order=[owner.id])
+    return decision
 
 
 async def models(request: web.Request) -> web.Response:
@@ -200,6 +278,8 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Readiness: 200 only while a request could be served now (a routable replica, and the gateway
+    started: it listens only once the tokenizers of the models it knows are loaded)."""
     gw = request.app[GATEWAY]
     replicas = gw.replicas.all()
     routable = sum(r.routable for r in replicas)
@@ -209,6 +289,7 @@ async def health(request: web.Request) -> web.Response:
         "gateway_id": gw.gateway_id,
         "replicas": {"routable": routable, "total": len(replicas), "pending": len(gw.pending)},
         "models": gw.replicas.models(),
+        "tokenizers": gw.tokenizers.status(),
         "policy": gw.policy.name,
         "redis": {"configured": gw.redis is not None, "ok": gw.redis_ok},
         "degraded": degraded,
@@ -216,10 +297,15 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response(body, status=200 if routable else 503)
 
 
+async def live(request: web.Request) -> web.Response:
+    """Liveness: the process serves HTTP (whether or not any replica can take a request)."""
+    return web.json_response({"status": "alive", "gateway_id": request.app[GATEWAY].gateway_id})
+
+
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     gw.refresh_metrics()
-    return web.Response(body=gw.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=gw.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -277,19 +363,23 @@ async def remove_replica(request: web.Request) -> web.Response:
 
 async def debug_route(request: web.Request) -> web.Response:
     """Explain a decision without sending anything: GET ?prompt=...&model=..., or POST an OpenAI body
-    (`messages` makes it a chat request)."""
+    (`messages` makes it a chat request, `input` a Responses one)."""
     gw = request.app[GATEWAY]
     if request.method == "POST":
         body = parse_json(await read_body(gw, request))
     else:
         body = {k: request.query[k] for k in ("model", "prompt", "user") if k in request.query}
-    chat = "messages" in body
-    model = _model_of(gw, body)
-    served = await _served(gw, model)
-    gen = (parse_chat if chat else parse_completion)({**body, "model": model}, served)
-    tokens = await gw.tokenizers.token_ids(gen, model)
+    route: Route = "chat" if "messages" in body else "responses" if "input" in body else "completions"
+    view = read_request(route, body)
+    model = _model_of(gw, view.model, required=True)
+    assert model is not None
+    if not view.has_prompt:
+        raise ApiError(
+            400, "nothing to route: give a prompt, messages or input", param="prompt", code="invalid_value"
+        )
+    tokens = await gw.tokenizers.prompt_ids(view, model)
     decision = decide(
-        gw.policy, gw.index, gw.replicas.serving(model), tokens, _session_key(gw, request, body)
+        gw.policy, gw.index, gw.replicas.serving(model), tokens, _session_key(gw, request, view)
     )
     return web.json_response(
         {
@@ -322,7 +412,7 @@ def _is_loopback(host: str) -> bool:
 
 def _authorize(gw: Gateway, request: web.Request) -> None:
     path = request.path
-    if path.startswith("/v1/"):
+    if _proxied_path(path):
         keys = gw.config.api_keys()
         token = _bearer(request)
         if keys and not (token and any(hmac.compare_digest(token, k) for k in keys)):
@@ -360,8 +450,8 @@ async def _errors(
         _authorize(gw, request)
         return await handler(request)
     except ApiError as error:
-        if request.path.startswith("/v1/") and request.method == "POST":
-            gw.metrics.requests.labels("", "", gw.policy.name, str(error.status)).inc()
+        if _proxied_path(request.path):
+            gw.metrics.requests.labels("", "", gw.policy.name, str(error.status), _route_of(request)).inc()
         response = web.json_response(error.to_json(), status=error.status, headers=error.headers)
         if error.headers.get("Connection") == "close":
             response.force_close()  # no keep-alive (aiohttp still reads what is left, for 10 s at most)
@@ -378,8 +468,8 @@ async def _errors(
         api = ApiError(error.status, error.text or error.reason, code=code)
         return web.json_response(api.to_json(), status=error.status)
     except asyncio.CancelledError:
-        if request.path.startswith("/v1/") and not request.get(ACCOUNTED):
-            gw.metrics.requests.labels("", "", gw.policy.name, str(CLIENT_GONE)).inc()
+        if _proxied_path(request.path) and not request.get(ACCOUNTED):
+            gw.metrics.requests.labels("", "", gw.policy.name, str(CLIENT_GONE), _route_of(request)).inc()
         raise
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)
@@ -425,10 +515,13 @@ def create_app(
     app[GATEWAY] = gw
     if config_path is not None:
         app[CONFIG_PATH] = config_path
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    for path, route in NAMED_ROUTES.items():
+        app.router.add_post(path, _proxy(route))
     app.router.add_get("/v1/models", models)
+    for method in PROXIED_METHODS:
+        app.router.add_route(method, "/v1/{tail:.*}", _proxy(None))
     app.router.add_get("/health", health)
+    app.router.add_get("/live", live)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/admin/replicas", list_replicas)

@@ -114,6 +114,13 @@ class Approximate(_Section):
     ttl_s: float = Field(300.0, gt=0)
 
 
+class Responses(_Section):
+    # How long the gateway remembers which replica produced a Responses API response (the only one
+    # that can continue it), locally and in Redis, and how many it keeps locally.
+    ttl_s: float = Field(86_400.0, gt=0)
+    max_entries: int = Field(100_000, ge=1)
+
+
 class Learning(_Section):
     # Prefill rate assumed before any TTFT is observed, and the EWMA weight of each observation.
     prefill_rate_prior: float = Field(10_000.0, gt=0)
@@ -134,6 +141,7 @@ class GatewayConfig(_Section):
     limits: Limits = Limits()
     health: Health = Health()
     approximate: Approximate = Approximate()
+    responses: Responses = Responses()
     learning: Learning = Learning()
     # Names this gateway in shared predictions and logs (default: hostname-pid-random, unique).
     gateway_id: str | None = None

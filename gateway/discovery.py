@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 
 from gateway.config import ReplicaEntry
 from gateway.replicas import Kind, LoadReport, default_replica_id
-from workers.redis_keys import WORKERS, load_key, worker_key
+from protocol.redis_keys import WORKERS, load_key, worker_key
 
 # When a foreign backend does not say its context window.
 DEFAULT_MAX_CONTEXT = 4096

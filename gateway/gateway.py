@@ -26,12 +26,14 @@ from gateway.kv_sync import IndexSync
 from gateway.metrics import GatewayMetrics
 from gateway.predictions import Predictions
 from gateway.replicas import Replica, ReplicaSet, Source
+from gateway.response_owners import ResponseOwners
 from gateway.tokenizers import Tokenizers
 from gateway.upstream import UpstreamClient
 from policies import Policy, build_policy
+from policies.least_load import LeastLoad
+from protocol.cancellation import check_cancelled
+from protocol.redis_client import connect
 from radix import RadixIndex
-from workers.cancellation import check_cancelled
-from workers.redis_publisher import connect
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -50,12 +52,15 @@ class Gateway:
     # Static and admin-added entries not yet answering (probed every health interval).
     pending: dict[str, tuple[ReplicaEntry, Source]] = field(default_factory=dict)
     policy: Policy = field(init=False)
+    # Routes with no prompt to match (embeddings, scoring, any other /v1 route) go by load.
+    by_load: Policy = field(default_factory=LeastLoad)
     session: aiohttp.ClientSession = field(init=False)
     # The forward path's own client (gateway/upstream.py); `session` serves everything else.
     upstream: UpstreamClient = field(init=False)
     redis: Redis | None = field(init=False, default=None)
     sync: IndexSync = field(init=False)
     predictions: Predictions = field(init=False)
+    response_owners: ResponseOwners = field(init=False)
     tokenizers: Tokenizers = field(init=False)
     # Whether the last registry read reached Redis (None: no Redis configured).
     redis_ok: bool | None = None
@@ -67,7 +72,7 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.policy = build_policy(self.config.routing)
-        self.tokenizers = Tokenizers({name: m.tokenizer for name, m in self.config.models.items()})
+        self.tokenizers = _tokenizers(self.config)
 
     @property
     def approximate_everywhere(self) -> bool:
@@ -100,9 +105,15 @@ class Gateway:
             self.index, ttl_s=self.config.approximate.ttl_s, redis=self.redis, gateway_id=self.gateway_id
         )
         self.predictions.start()
+        responses = self.config.responses
+        self.response_owners = ResponseOwners(
+            ttl_s=responses.ttl_s, max_entries=responses.max_entries, redis=self.redis
+        )
         for entry in self.config.replicas:
             self.pending[entry.url] = (entry, "config")
         await self._probe_pending()
+        # Ready means ready: every model known now can be tokenized before the first request comes.
+        await self.tokenizers.load(self.known_models())
         self._spawn(self._health_loop, self.config.health.interval_s)
         if self.redis is not None:
             self._spawn(self._registry_loop, self.config.redis.poll_interval_s)
@@ -150,6 +161,7 @@ class Gateway:
             incarnation=found.incarnation,
         )
         self.replicas.add(replica)
+        self.tokenizers.ensure(replica.model)
         precise = self.precise(replica)
         self.index.add_replica(replica.id, capacity_blocks=None if precise else replica.capacity_blocks)
         if precise:
@@ -239,6 +251,9 @@ class Gateway:
             if self.redis_ok:
                 log.warning("Redis is unreachable, routing on the local index: %r", error)
             self.redis_ok = False
+            # Idle connections opened before an outage are dead after it (Redis restarted): dropped now,
+            # so the first reads after it come back do not each fail once on one of them.
+            await self.redis.connection_pool.disconnect(inuse_connections=False)
             return
         if not self.redis_ok:
             log.info("Redis is reachable")
@@ -267,10 +282,12 @@ class Gateway:
     async def reload(self, config: GatewayConfig) -> None:
         """Apply a new config without dropping requests in flight: they hold their replica objects,
         and removed replicas only stop receiving new requests."""
+        tokenizers = _tokenizers(config)
         self.config = config
         self.policy = build_policy(config.routing)
+        await tokenizers.load(self.known_models())
         self.tokenizers.close()
-        self.tokenizers = Tokenizers({name: m.tokenizer for name, m in config.models.items()})
+        self.tokenizers = tokenizers
         urls = {e.url for e in config.replicas}
         for replica in self.replicas.all():
             if replica.source == "config" and replica.url not in urls:
@@ -283,6 +300,13 @@ class Gateway:
                 self.pending[entry.url] = (entry, "config")
         await self._probe_pending()
         log.info("configuration reloaded: %d replicas, policy %s", len(self.replicas), self.policy.name)
+
+    def known_models(self) -> list[str]:
+        """The models configured or served by a replica known now."""
+        named = set(self.config.models) | set(self.replicas.models())
+        if self.config.model is not None:
+            named.add(self.config.model)
+        return sorted(named)
 
     def refresh_metrics(self) -> None:
         m = self.metrics
@@ -300,3 +324,7 @@ class Gateway:
 
     def now(self) -> float:
         return time.monotonic()
+
+
+def _tokenizers(config: GatewayConfig) -> Tokenizers:
+    return Tokenizers({name: m.tokenizer for name, m in config.models.items()})

@@ -26,10 +26,10 @@ import aiohttp
 import orjson
 from redis.asyncio import Redis
 
+from protocol.cancellation import check_cancelled
+from protocol.kv_events import EventBatch
+from protocol.redis_keys import kv_stream_key
 from radix.index import RadixIndex
-from workers.cancellation import check_cancelled
-from workers.kv_events import EventBatch
-from workers.redis_keys import kv_stream_key
 
 log = logging.getLogger("prefixgate.gateway.sync")
 

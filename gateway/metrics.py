@@ -14,9 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-from workers.metrics import CONTENT_TYPE, LATENCY_BUCKETS
-
-__all__ = ["CONTENT_TYPE", "GatewayMetrics"]
+from protocol.serving import LATENCY_BUCKETS
 
 # Routing decisions take microseconds to a millisecond; inter-token gaps milliseconds to a second.
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
@@ -32,8 +30,9 @@ class GatewayMetrics:
         self.registry = registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "prefixgate_gateway_requests",
-            "Requests by model, replica, policy and HTTP status (499: the client left)",
-            ("model", "replica", "policy", "status"),
+            "Requests by model, replica, policy, HTTP status (499: the client left) and route (chat, "
+            "completions, responses, embeddings, score, tokenize, detokenize, other)",
+            ("model", "replica", "policy", "status", "route"),
             registry=registry,
         )
         self.ttft = Histogram(

@@ -1,10 +1,13 @@
 """The gateway's OpenAPI document: the routes it serves, for clients, API explorers and fuzzers.
 
-Request bodies name every field the gateway reads (OpenAI's, vLLM's `top_k` and `ignore_eos`, and
-`prefixgate_token_ids`) with the values it accepts; fields it does not know pass through to the replica.
-Checks that depend on the model behind a route (the context window, the vocabulary a token id must fall
-in, the chat template) cannot be stated here: they answer 400 with OpenAI's error body, like every other
-refusal. `null` means "absent" for every optional field, as in OpenAI's API.
+The gateway passes request bodies through to the replica that serves them, which judges them. The
+completion and chat schemas here are those of the bundled workers (protocol.openai_api): every field
+they read (OpenAI's, vLLM's `top_k` and `ignore_eos`, and `prefixgate_token_ids`), with the values they
+accept; a foreign backend applies its own rules (tools, response_format, n and vendor fields reach it
+unchanged). Checks that depend on the model behind a route (the context window, the vocabulary a token
+id must fall in) cannot be stated here: they answer 400 with OpenAI's error body, like every other
+refusal. `null` means "absent" for every optional field, as in OpenAI's API. Any other /v1 route a
+replica serves (files, batches, audio, ...) is proxied too; OpenAPI has no way to list a wildcard.
 
 Authentication is optional in the document because it is optional in the configuration: `/v1/*` needs
 an API key when `auth.api_keys_env` is set, `/admin/*` and `/debug/*` the admin token when
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_TEMPERATURE
+from protocol.openai_api import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, MAX_TEMPERATURE
 
 # `seed` may be any signed or unsigned 64-bit integer.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -75,7 +78,7 @@ _SECURITY_ADMIN = [{"adminToken": []}, {}]
 
 # -- request bodies -------------------------------------------------------------------------------
 
-# Options the workers do not implement: accepted only with the value that turns them off.
+# Options the bundled workers do not implement: accepted only with the value that turns them off.
 _OFF = {
     "best_of": {"enum": [1, None], "description": "not supported beyond 1"},
     "echo": {"enum": [False, None], "description": "not supported"},
@@ -117,7 +120,7 @@ _COMMON: dict[str, Any] = {
         "properties": {"include_usage": _BOOL},
         "description": "only with stream: true",
     },
-    "n": _int(1, 1, description="one choice per request"),
+    "n": _int(1, MAX_N, description="choices, forked from one prefill of the prompt"),
     "user": {"type": ["string", "null"], "description": "the session key of session_affinity routing"},
     "ignore_eos": _BOOL,
     "prefixgate_token_ids": {
@@ -161,13 +164,40 @@ _TEXT_PART = {
     "required": ["type", "text"],
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
 }
+_CONTENT = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
+_FUNCTION_CALLED = {
+    "type": "object",
+    "required": ["name", "arguments"],
+    "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+}
+_TOOL_CALL = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": _FUNCTION_CALLED,
+    },
+}
 CHAT_MESSAGE: dict[str, Any] = {
     "type": "object",
-    "required": ["role", "content"],
+    "required": ["role"],
     "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant"]},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]},
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool", "function"]},
+        "content": {"anyOf": [_CONTENT, {"type": "null"}]},
+        "name": {"type": "string"},
+        "tool_call_id": {"type": "string"},
+        "tool_calls": {"type": "array", "minItems": 1, "items": _TOOL_CALL},
+        "function_call": _FUNCTION_CALLED,
     },
+    # Content may be null (or absent) only in an assistant turn that calls tools.
+    "anyOf": [
+        {"required": ["content"], "properties": {"content": _CONTENT}},
+        {
+            "properties": {"role": {"const": "assistant"}},
+            "anyOf": [{"required": ["tool_calls"]}, {"required": ["function_call"]}],
+        },
+    ],
 }
 CHAT_REQUEST: dict[str, Any] = {
     "type": "object",
@@ -186,6 +216,14 @@ CHAT_REQUEST: dict[str, Any] = {
             "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
         },
     ],
+}
+
+# What /debug/route reads: a prompt in any of the forms the routed APIs carry it (as leniently as the
+# routing of those APIs reads it: one it cannot read is a 400 here, "nothing to route").
+DEBUG_REQUEST: dict[str, Any] = {
+    "type": "object",
+    "properties": {"model": {"type": ["string", "null"]}},
+    "anyOf": [{"required": ["messages"]}, {"required": ["prompt"]}, {"required": ["input"]}],
 }
 
 REPLICA_ENTRY: dict[str, Any] = {
@@ -412,6 +450,41 @@ def _generation(summary: str, request: str, response: str) -> dict[str, Any]:
     }
 
 
+_ANY_JSON = {"type": "object", "description": "passed to the replica as sent"}
+
+
+def _passthrough(summary: str) -> dict[str, Any]:
+    """A route the gateway proxies by load (or, for a stored response, to its replica): the replica
+    judges the body and answers; a route it does not serve is its 404."""
+    return {
+        "post": {
+            "summary": summary,
+            "security": _SECURITY_V1,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": _ANY_JSON}}},
+            "responses": {
+                "200": {
+                    "description": "the replica's answer, as it sent it",
+                    "headers": _ROUTED_HEADERS,
+                    "content": {
+                        "application/json": {"schema": {}},
+                        "text/event-stream": {"schema": _SSE_EVENT},
+                    },
+                },
+                "400": _error("the body is not a JSON object, or the replica refused it"),
+                **_V1_ERRORS,
+                "404": _error("no replica serves that model, or the replica does not serve this route"),
+                "405": _error("the replica does not serve this route with this method"),
+                "413": _error("the body is larger than limits.max_body_bytes"),
+                "422": _error("the replica refused the body"),
+                "429": _error("the gateway, or every replica tried, is full: retry after Retry-After"),
+                "502": _error("every replica tried failed"),
+                "503": _error("no healthy replica serves the model, or those tried are unavailable"),
+                "504": _error("no replica tried answered within limits.request_timeout_s"),
+            },
+        }
+    }
+
+
 _REMOVED = {
     "type": "object",
     "required": ["status", "id", "inflight"],
@@ -451,6 +524,14 @@ OPENAPI: dict[str, Any] = {
         "/v1/chat/completions": _generation(
             "Chat completion, routed by the templated prompt's prefix", "ChatRequest", "ChatCompletion"
         ),
+        "/v1/responses": _passthrough(
+            "Responses API: routed by instructions + input; with previous_response_id, to the replica "
+            "holding that response"
+        ),
+        "/v1/embeddings": _passthrough("Embeddings, routed by load"),
+        "/v1/score": _passthrough("Scoring (vLLM), routed by load"),
+        "/tokenize": _passthrough("Tokenize (vLLM), routed by load"),
+        "/detokenize": _passthrough("Detokenize (vLLM), routed by load"),
         "/v1/models": {
             "get": {
                 "summary": "Models served by at least one replica",
@@ -485,9 +566,15 @@ OPENAPI: dict[str, Any] = {
                 },
             }
         },
+        "/live": {
+            "get": {
+                "summary": "Liveness: 200 while the process serves (the probe for restarts)",
+                "responses": {"200": _json({"type": "object"}, "the gateway is alive")},
+            }
+        },
         "/health": {
             "get": {
-                "summary": "200 when some replica is routable, 503 otherwise",
+                "summary": "Readiness: 200 when a request could be served now (the probe for traffic)",
                 "responses": {
                     "200": _json(_ref("Health"), "some replica is routable"),
                     "503": _json(_ref("Health"), "no replica is routable"),
@@ -589,19 +676,16 @@ OPENAPI: dict[str, Any] = {
                 },
             },
             "post": {
-                "summary": "Explain the decision for an OpenAI body (messages: a chat) without sending it",
+                "summary": "Explain the decision for an OpenAI body (messages: a chat; input: a Responses "
+                "request) without sending it",
                 "security": _SECURITY_ADMIN,
                 "requestBody": {
                     "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {"anyOf": [_ref("ChatRequest"), _ref("CompletionRequest")]}
-                        }
-                    },
+                    "content": {"application/json": {"schema": _ref("RouteRequest")}},
                 },
                 "responses": {
                     "200": _json(_ref("RouteExplanation"), "the decision, per replica"),
-                    "400": _error("the body is not valid JSON or a field is invalid"),
+                    "400": _error("the body is not valid JSON, or holds no prompt to route"),
                     **_ADMIN_ERRORS,
                     "404": _error("no replica serves that model"),
                     "413": _error("the body is larger than limits.max_body_bytes"),
@@ -618,6 +702,7 @@ OPENAPI: dict[str, Any] = {
             "CompletionRequest": COMPLETION_REQUEST,
             "ChatRequest": CHAT_REQUEST,
             "ChatMessage": CHAT_MESSAGE,
+            "RouteRequest": DEBUG_REQUEST,
             "ReplicaEntry": REPLICA_ENTRY,
             "Completion": COMPLETION,
             "ChatCompletion": CHAT_COMPLETION,

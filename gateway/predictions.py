@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from gateway.kv_sync import BLOCK_MS, READ_COUNT, RETRY_MAX_S, Backoff, read_stream
+from protocol.cancellation import check_cancelled
+from protocol.redis_keys import PREDICTIONS
 from radix.index import RadixIndex
-from workers.cancellation import check_cancelled
-from workers.redis_keys import PREDICTIONS
 
 log = logging.getLogger("prefixgate.gateway.predictions")
 

@@ -1,8 +1,12 @@
 """Forward one routed request and relay the answer (DESIGN §2 step 6).
 
-Streaming responses pass through chunk by chunk as the replica sends them, unparsed: the gateway
-only times the chunks. Cached tokens come from the bundled worker's response header, or for a
-foreign backend from the usage object at the end of its response.
+What a client sent goes upstream as it came: the body byte for byte (a bundled worker's chat or
+completion body gains only the token ids the gateway computed), the client's end-to-end headers with
+it. The answer comes back the same way, status, headers and body, with the gateway's routing headers
+added. A server-sent-event stream passes through chunk by chunk as the replica sends it, unparsed:
+the gateway only times the chunks. Cached tokens come from the bundled worker's response header, or
+for a foreign backend from the usage object at the end of its response. A Responses API answer also
+names its response id, which is remembered with its replica (gateway.response_owners).
 
 A replica that cannot be reached, or refuses for overload (429, 503), is skipped for the next in
 the policy's order while nothing has been sent to the client yet. Once bytes flow, the request is
@@ -27,9 +31,11 @@ from aiohttp import web
 
 from gateway.gateway import Gateway
 from gateway.replicas import Replica
+from gateway.request_view import Route
 from gateway.router import Decision
 from gateway.upstream import UpstreamError, UpstreamResponse
-from workers.openai_api import CACHED_TOKENS_HEADER, CLIENT_GONE, SSE_DONE, ApiError, sse
+from protocol.errors import CLIENT_GONE, ApiError
+from protocol.openai_responses import CACHED_TOKENS_HEADER, SSE_DONE, sse
 
 REPLICA_HEADER = "x-prefixgate-replica"
 MATCHED_BLOCKS_HEADER = "x-prefixgate-matched-blocks"
@@ -50,19 +56,29 @@ _HOP_BY_HOP = {
     "date",
     "server",
 }
+# Routes whose bodies a bundled worker reads with the gateway's token ids attached.
+_ID_ROUTES = frozenset({"chat", "completions"})
+_SSE = "text/event-stream"
+# A streamed Responses answer names its id in its first event; it is looked for this far at most.
+_RESPONSE_ID_SCAN = 16 * 1024
 
 
 @dataclass(slots=True)
 class Routed:
+    route: Route
     model: str
-    path: str
+    method: str
+    # Path and query string, as the client sent them.
+    target: str
     # The client's body as received: forwarded unchanged unless token ids are attached.
     raw: bytes
-    body: dict[str, Any]
+    # The body as JSON (None when it is not a JSON object: a file upload, an empty GET).
+    body: dict[str, Any] | None
+    # The client's end-to-end headers (gateway.app.forwarded_headers), Authorization not among them.
+    headers: dict[str, str]
     tokens: list[int] | None
     # Whether the gateway tokenized the prompt itself (the ids are then worth attaching).
     tokenized: bool
-    stream: bool
     decision: Decision
     arrival: float
     # The client's Authorization header, forwarded only when configured.
@@ -72,18 +88,27 @@ class Routed:
 def _payload(routed: Routed, replica: Replica) -> bytes:
     """Bundled workers get the ids the gateway tokenized (no second tokenization); everything else goes
     as the client sent it, without re-encoding."""
-    if replica.kind == "bundled" and routed.tokenized and routed.tokens is not None:
+    if (
+        replica.kind == "bundled"
+        and routed.tokenized
+        and routed.tokens is not None
+        and routed.body is not None
+        and routed.route in _ID_ROUTES
+        and "prefixgate_token_ids" not in routed.body
+    ):
         return orjson.dumps({**routed.body, "prefixgate_token_ids": routed.tokens})
     return routed.raw
 
 
-def _upstream_headers(gw: Gateway, routed: Routed) -> dict[str, str]:
-    headers = {"Content-Type": "application/json"}
+def _upstream_headers(gw: Gateway, routed: Routed, payload: bytes) -> dict[str, str]:
+    headers = routed.headers
+    if payload is not routed.raw:  # re-encoded with the ids: JSON, whatever the client called it
+        headers = {**headers, "Content-Type": "application/json"}
     key = gw.config.upstream_key()
     if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
+        headers = {**headers, "Authorization": f"Bearer {key}"}
     elif gw.config.auth.forward_client_key and routed.authorization:
-        headers["Authorization"] = routed.authorization
+        headers = {**headers, "Authorization": routed.authorization}
     return headers
 
 
@@ -127,13 +152,15 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
         view = routed.decision.view_of(rid)
         uncached = max(routed.decision.prompt_tokens - view.cached_tokens, 0)
         handle = gw.replicas.dispatched(replica, time.monotonic(), uncached)
+        payload = _payload(routed, replica)
         try:
             try:
-                upstream = await gw.upstream.post(
+                upstream = await gw.upstream.request(
+                    routed.method,
                     replica.url,
-                    routed.path,
-                    _payload(routed, replica),
-                    _upstream_headers(gw, routed),
+                    routed.target,
+                    payload,
+                    _upstream_headers(gw, routed, payload),
                     connect_s=limits.connect_timeout_s,
                     read_s=limits.request_timeout_s,
                 )
@@ -150,7 +177,7 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
                     last_kind = "refused"
                     refusal = _refusal(upstream.status, upstream.headers, routed.model)
                     continue
-                if routed.stream and upstream.status == 200:
+                if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith(_SSE):
                     first = await upstream.read_chunk()
                     return await _relay_stream(gw, request, routed, replica, handle, upstream, first)
                 return await _relay_body(gw, routed, replica, handle, upstream)
@@ -208,7 +235,7 @@ def _refusal(status: int, headers: Mapping[str, str], model: str) -> ApiError:
 
 def _account(gw: Gateway, routed: Routed, replica: Replica, status: int, cached: int | None) -> None:
     m = gw.metrics
-    m.child(m.requests, routed.model, replica.id, gw.policy.name, str(status)).inc()
+    m.child(m.requests, routed.model, replica.id, gw.policy.name, str(status), routed.route).inc()
     m.child(m.e2e, routed.model, replica.id).observe(time.monotonic() - routed.arrival)
     if status != 200:
         return
@@ -233,6 +260,10 @@ async def _relay_body(
     body = await upstream.read()
     if upstream.status == 200:
         _first_token(gw, routed, replica, handle)
+        if routed.route == "responses":
+            response_id = _response_id(body)
+            if response_id is not None:
+                await gw.response_owners.remember(response_id, replica.id)
     _account(gw, routed, replica, upstream.status, _cached_tokens(upstream.headers, body[-_TAIL_BYTES:]))
     return web.Response(
         body=body, status=upstream.status, headers=_response_headers(upstream, replica, routed, gw)
@@ -254,6 +285,17 @@ async def _relay_stream(
     response = web.StreamResponse(status=200, headers=_response_headers(upstream, replica, routed, gw))
     tail = first[-_TAIL_BYTES:]
     status = 200
+    # A Responses stream names its response in its first event: remembered with its replica, and known
+    # everywhere before the client has the whole answer.
+    scan = _ResponseIdScan() if routed.route == "responses" else None
+    remembered: list[asyncio.Future[None]] = []
+
+    def watch(data: bytes) -> None:
+        found = scan.feed(data) if scan is not None else None
+        if found is not None:
+            remembered.append(asyncio.ensure_future(gw.response_owners.remember(found, replica.id)))
+
+    watch(first)
     try:
         await response.prepare(request)
         itl = gw.metrics.child(gw.metrics.itl, routed.model)
@@ -269,6 +311,7 @@ async def _relay_stream(
                     itl.observe(now - last)
                     last = now
                     tail = (tail + chunk)[-_TAIL_BYTES:]
+                    watch(chunk)
         except (TimeoutError, UpstreamError) as error:
             gw.mark_failure(replica)
             gw.metrics.upstream_errors.labels(replica.id, _kind(error)).inc()
@@ -278,6 +321,8 @@ async def _relay_stream(
             else:
                 message, code, status = f"failed mid-stream: {error!r}", "upstream_failed", 502
             chunk = sse(ApiError(status, f"replica {replica.id} {message}", code=code).to_json()) + SSE_DONE
+        for pending in remembered:
+            await pending
         await response.write_eof(chunk)
     except (asyncio.CancelledError, ConnectionResetError) as error:
         # The client left: the handler is cancelled, or a write (the last one included) finds the
@@ -293,3 +338,47 @@ async def _relay_stream(
         return response
     _account(gw, routed, replica, status, _cached_tokens(upstream.headers, tail))
     return response
+
+
+def _response_id(body: bytes) -> str | None:
+    """The `id` of a Responses API answer body."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    found = parsed.get("id") if isinstance(parsed, dict) else None
+    return found if isinstance(found, str) and found else None
+
+
+class _ResponseIdScan:
+    """The head of a Responses stream, read until the response's id shows in it (or for
+    _RESPONSE_ID_SCAN bytes at most)."""
+
+    def __init__(self) -> None:
+        self.head = b""
+        self.done = False
+
+    def feed(self, data: bytes) -> str | None:
+        if self.done:
+            return None
+        self.head += data
+        found = _response_id_in_events(self.head)
+        self.done = found is not None or len(self.head) > _RESPONSE_ID_SCAN
+        return found
+
+
+def _response_id_in_events(data: bytes) -> str | None:
+    """The response id a Responses stream announces (`response.created`, whose `response` is the
+    response object), from the complete events in `data`."""
+    for line in data.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            event = orjson.loads(line[5:])
+        except orjson.JSONDecodeError:
+            continue  # an event cut at the chunk's end, or not JSON
+        response = event.get("response") if isinstance(event, dict) else None
+        found = response.get("id") if isinstance(response, dict) else None
+        if isinstance(found, str) and found:
+            return found
+    return None

@@ -10,7 +10,7 @@ from pathlib import Path
 from gateway.app import create_app
 from gateway.config import load_config
 from policies import ConfigError
-from workers.server import serve
+from protocol.serving import serve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

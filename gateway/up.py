@@ -121,11 +121,12 @@ def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout
 @contextlib.contextmanager
 def start_fleet(args: argparse.Namespace, progress: Progress) -> Iterator[Fleet]:
     socks = [listen("127.0.0.1", args.worker_port and args.worker_port + i) for i in range(args.workers)]
-    step = progress.add_task("preparing SmolLM2 (converted once to ~/.cache/prefixgate)", total=None)
-    from workers.engine.loader import convert_gguf, default_gguf_path
-
-    if args.model is None:
-        convert_gguf(default_gguf_path())
+    step = progress.add_task("preparing the model (converted once to ~/.cache/prefixgate)", total=None)
+    # Once, before the workers start, so that they do not all convert it at the same time.
+    prepare = [sys.executable, "-m", "gateway.cli", "worker", "--prepare", "--log-level", "WARNING"]
+    done = subprocess.run(prepare + (["--model", args.model] if args.model else []))
+    if done.returncode != 0:
+        raise SystemExit(f"prefixgate up: preparing the model failed (status {done.returncode})")
     progress.update(step, description="model ready", completed=1, total=1)
     fleet = Fleet(
         [

@@ -26,6 +26,7 @@ from multidict import CIMultiDict
 
 # Buffered answer bytes past which the socket is paused until the consumer catches up.
 _HIGH_WATER = 256 * 1024
+SENT_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
 # Idle connections kept per replica: a burst's extra connections are closed once it has passed.
 MAX_IDLE_PER_ORIGIN = 128
 
@@ -304,20 +305,29 @@ class UpstreamClient:
         self._ssl: ssl.SSLContext | None = None
         self._idle: dict[Origin, list[_Connection]] = {}
 
-    async def post(
-        self, url: str, path: str, body: bytes, headers: dict[str, str], *, connect_s: float, read_s: float
+    async def request(
+        self,
+        method: str,
+        url: str,
+        target: str,
+        body: bytes,
+        headers: dict[str, str],
+        *,
+        connect_s: float,
+        read_s: float,
     ) -> UpstreamResponse:
-        """Send a POST and wait for the answer's head. A kept-alive connection that the replica had
-        closed before reading the request (an idle timeout racing the send) is retried once on a
-        new connection: no byte of an answer came back, so nothing was done twice."""
+        """Send a request (`target`: path and query) and wait for the answer's head. A kept-alive
+        connection that the replica had closed before reading the request (an idle timeout racing the
+        send) is retried once on a new connection: no byte of an answer came back, so nothing was
+        done twice. HEAD is not sent: its answer has no body to frame by, and no API route needs it."""
+        if method not in SENT_METHODS:
+            raise ValueError(f"the upstream client sends {sorted(SENT_METHODS)}, not {method}")
         try:
             origin = origin_of(url)
         except ValueError as error:
             raise UpstreamError("bad_url", str(error)) from None
-        lines = [
-            f"POST {origin.base}{path} HTTP/1.1\r\nHost: {origin.authority}\r\n"
-            f"Content-Length: {len(body)}\r\n"
-        ]
+        length = f"Content-Length: {len(body)}\r\n" if body or method in ("POST", "PUT", "PATCH") else ""
+        lines = [f"{method} {origin.base}{target} HTTP/1.1\r\nHost: {origin.authority}\r\n{length}"]
         lines += [f"{name}: {value}\r\n" for name, value in headers.items()]
         lines.append("\r\n")
         # aiohttp hands header values over as UTF-8 with surrogate escapes: this gives back their bytes.

@@ -21,7 +21,11 @@ stick to the overloaded ones. Such requests are placed for balance, and cache af
 from their second turn. The hot-spot guard bounds the failure of that trade when rates are misjudged: a
 saturated replica (its queue at its limit, or more than `max_share` of the fleet's outstanding
 requests) ranks after every unsaturated one, so a popular prefix spills to other replicas and gets
-cached there too. Equal estimates rotate, so an idle fleet with no cache hits is spread evenly.
+cached there too. Equal estimates are broken by the prompt's first block: distinct prefixes spread
+over the fleet whatever order they come in (a rotation by call count aliases with the traffic: new
+prefixes arriving every other request all landed on the same replica), and one prefix's ties go
+where it went before. Prompts shorter than a block rotate, so an idle fleet with no cache hits is
+spread evenly either way.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ class PrefixAware:
 
     def choose(self, request: RouteRequest, replicas: list[ReplicaView]) -> list[str]:
         # The rotation fixes the order among ties: the sort below is stable.
-        candidates = rotate(healthy(replicas), self._turn)
+        candidates = rotate(healthy(replicas), request.prefix_key or self._turn)
         self._turn += 1
         if not candidates:
             return []

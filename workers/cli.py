@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="HF safetensors folder or .gguf file (default: SmolLM2)"
     )
+    parser.add_argument(
+        "--prepare",
+        action="store_true",
+        help="convert the model to the cache (a .gguf, once) and exit: what a fleet launcher or an image "
+        "build runs before starting workers",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument(
@@ -201,11 +207,18 @@ def extra_contexts(args: argparse.Namespace) -> list[Context]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from workers.server import create_app, serve
+    from protocol.serving import serve
+    from workers.server import create_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.prepare:
+        from workers.engine.loader import model_folder
+
+        folder, name = model_folder(args.model)
+        print(f"{name}: {folder}")
+        return 0
     worker = build_worker(args)
     app = create_app(worker, contexts=extra_contexts(args))
     if args.listen_fd is None:

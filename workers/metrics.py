@@ -8,13 +8,10 @@ uses, so that dashboards and load pickers written for vLLM read a prefixgate wor
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import generate_latest
 
+from protocol.serving import LATENCY_BUCKETS
 from workers.engine.scheduler import SchedulerStats
-
-CONTENT_TYPE = CONTENT_TYPE_LATEST
-# From a few ms (a cached prompt on a GPU) to minutes (a long queue on a laptop CPU).
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class WorkerMetrics:

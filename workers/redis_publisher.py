@@ -1,5 +1,5 @@
 """Publishes a worker to Redis (DESIGN §4 "Shared state in Redis"): its registry entry with a
-heartbeat, its KV event batches on a stream, and its load; key names in workers.redis_keys.
+heartbeat, its KV event batches on a stream, and its load; key names in protocol.redis_keys.
 
 Redis is a side channel, never a dependency of serving: every write runs in a background task that
 logs, backs off and retries, so a Redis that is down or slow neither crashes nor stalls the worker.
@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from workers.cancellation import check_cancelled
-from workers.kv_events import EventBatch, EventsGone
-from workers.redis_keys import WORKERS, kv_stream_key, load_key, worker_key
+from protocol.cancellation import check_cancelled
+from protocol.kv_events import EventBatch
+from protocol.redis_client import connect
+from protocol.redis_keys import WORKERS, kv_stream_key, load_key, worker_key
+from workers.kv_events import EventsGone
 from workers.server import RUNTIME, Context, Runtime
 
 log = logging.getLogger("prefixgate.worker.redis")
@@ -243,18 +243,6 @@ class RedisPublisher:
                 pipe.xadd(stream, fields, maxlen=self.config.stream_maxlen, approximate=True)
             await pipe.execute()
         self.published_seq = batches[-1].seq
-
-
-def connect(url: str, timeout_s: float, *, decode_responses: bool = False) -> Redis:
-    """A client that fails fast instead of retrying on its own: the caller's tasks do the retrying,
-    with backoff, and a call must never hang on a dead server for longer than `timeout_s`."""
-    return Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        decode_responses=decode_responses,
-    )
 
 
 def redis_context(config: PublisherConfig) -> Context:

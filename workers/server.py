@@ -6,9 +6,9 @@ log) and owns its lifecycle: it starts the event feed on its loop and shuts the 
 stops. Other transports (Redis registry, heartbeats, event stream) plug in as extra aiohttp
 cleanup contexts that find everything under `app[RUNTIME]`.
 
-The app must run with `handler_cancellation=True` (see `serve`): a client that goes away then
-cancels its handler, which closes its generation stream, which aborts the sequence and frees its
-KV blocks at once instead of generating for nobody.
+The app must run with `handler_cancellation=True` (protocol.serving.serve): a client that goes away then
+cancels its handler, which closes its generation stream, which aborts the request (all of its n
+choices) and frees its KV blocks at once instead of generating for nobody.
 """
 
 from __future__ import annotations
@@ -25,32 +25,28 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 from aiohttp import web
 
+from protocol.errors import CLIENT_GONE, RETRY_AFTER_S, ApiError, error_json
+from protocol.kv_events import EventBatch
+from protocol.openai_api import GenerationRequest, ServedModel, parse_chat, parse_completion, parse_json
+from protocol.openai_responses import (
+    CACHED_TOKENS_HEADER,
+    SSE_DONE,
+    Choice,
+    ResponseShaper,
+    TokenLogprob,
+    sse,
+    usage_json,
+)
+from protocol.prompts import prompt_token_ids
+from protocol.serving import METRICS_CONTENT_TYPE
+from protocol.tokenizer import Tokenizer
 from workers.engine.engine import Engine, PromptTooLong, RequestOutput
 from workers.engine.llm import AsyncLLM
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import SchedulerStats, UnschedulableSequence
-from workers.kv_events import EventBatch, EventsGone, KVEventLog
-from workers.metrics import CONTENT_TYPE, WorkerMetrics
-from workers.openai_api import (
-    CACHED_TOKENS_HEADER,
-    CLIENT_GONE,
-    RETRY_AFTER_S,
-    SSE_DONE,
-    ApiError,
-    GenerationRequest,
-    ResponseShaper,
-    ServedModel,
-    Tokenizer,
-    TokenLogprob,
-    error_json,
-    parse_chat,
-    parse_completion,
-    parse_json,
-    prompt_token_ids,
-    sampling_params,
-    sse,
-    usage_json,
-)
+from workers.kv_events import EventsGone, KVEventLog
+from workers.metrics import WorkerMetrics
+from workers.openai_sampling import sampling_params
 
 if TYPE_CHECKING:
     from workers.sim.engine import SimEngine
@@ -67,7 +63,7 @@ class EngineFront(Protocol):
     """What the server needs from an engine: AsyncLLM, or anything shaped like it (the --sim engine)."""
 
     def generate(
-        self, prompt_token_ids: list[int], sampling: SamplingParams
+        self, prompt_token_ids: list[int], sampling: SamplingParams, n: int = 1
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def stats(self) -> SchedulerStats: ...
@@ -290,8 +286,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         else:
             loop = asyncio.get_running_loop()
             ids = await loop.run_in_executor(rt.tokenize_pool, prompt_token_ids, gen, worker.tokenizer)
-        sampling = sampling_params(gen, len(ids), served)
-        async with aclosing(worker.front.generate(ids, sampling)) as outs:
+        sampling = sampling_params(gen, len(ids), served, worker.info.block_size)
+        async with aclosing(worker.front.generate(ids, sampling, gen.n)) as outs:
             first = await _first_output(outs)
             release()
             rt.metrics.observe_ttft(time.monotonic() - arrival)
@@ -300,9 +296,28 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             return await _collect(rt, gen, shaper, outs, first, arrival)
 
 
-def _observe_finished(rt: Runtime, last: RequestOutput, arrival: float) -> None:
+@dataclass(slots=True)
+class _Usage:
+    """A request's usage as its choices' deltas arrive: the prompt counts once, completions add up."""
+
+    unfinished: int
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        if out.finished:
+            self.unfinished -= 1
+            self.completion_tokens += out.completion_tokens
+
+    def json(self) -> dict[str, Any]:
+        return usage_json(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+def _observe_finished(rt: Runtime, usage: _Usage, arrival: float) -> None:
     rt.metrics.observe_finished(
-        time.monotonic() - arrival, last.prompt_tokens, last.completion_tokens, last.cached_tokens
+        time.monotonic() - arrival, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens
     )
 
 
@@ -314,23 +329,28 @@ async def _collect(
     out: RequestOutput,
     arrival: float,
 ) -> web.Response:
-    text: list[str] = []
-    logprobs: list[TokenLogprob] = []
+    usage = _Usage(gen.n)
+    texts: list[list[str]] = [[] for _ in range(gen.n)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(gen.n)]
+    reasons: list[str | None] = [None] * gen.n
     while True:
-        text.append(out.new_text)
-        logprobs += _token_logprobs(out)
-        if out.finished:
+        usage.add(out)
+        texts[out.index].append(out.new_text)
+        logprobs[out.index] += _token_logprobs(out)
+        reasons[out.index] = out.finish_reason
+        if not usage.unfinished:
             break
         try:
             out = await anext(outs)
         except RuntimeError as error:
             raise _engine_failed(error) from None
-    _observe_finished(rt, out, arrival)
-    usage = usage_json(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-    wanted = logprobs if gen.logprobs is not None else None
+    _observe_finished(rt, usage, arrival)
+    choices = [
+        Choice("".join(text), reason, lps if gen.logprobs is not None else None)
+        for text, reason, lps in zip(texts, reasons, logprobs, strict=True)
+    ]
     return web.json_response(
-        shaper.response("".join(text), out.finish_reason, usage, wanted),
-        headers={CACHED_TOKENS_HEADER: str(out.cached_tokens)},
+        shaper.response(choices, usage.json()), headers={CACHED_TOKENS_HEADER: str(usage.cached_tokens)}
     )
 
 
@@ -343,7 +363,8 @@ async def _stream(
     out: RequestOutput,
     arrival: float,
 ) -> web.StreamResponse:
-    """Server-sent events, headers sent once the first token exists (so refusals are still 4xx)."""
+    """Server-sent events, headers sent once the first token exists (so refusals are still 4xx).
+    Each choice's deltas carry its index; the usage chunk and [DONE] come once, after the last."""
     response = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
@@ -353,26 +374,28 @@ async def _stream(
         }
     )
     await response.prepare(request)
+    usage = _Usage(gen.n)
     try:
         if gen.chat:
-            await response.write(sse(shaper.chunk("", None, role=True)))
+            for index in range(gen.n):
+                await response.write(sse(shaper.chunk("", None, role=True, index=index)))
         while True:
+            usage.add(out)
             logprobs = _token_logprobs(out) if gen.logprobs is not None else None
             if out.new_text or out.finished or logprobs:
                 reason = out.finish_reason if out.finished else None
-                await response.write(sse(shaper.chunk(out.new_text, reason, logprobs)))
-            if out.finished:
+                await response.write(sse(shaper.chunk(out.new_text, reason, logprobs, index=out.index)))
+            if not usage.unfinished:
                 break
             try:
                 out = await anext(outs)
             except RuntimeError as error:
                 await response.write(sse(_engine_failed(error).to_json()))
                 break
-        if out.finished:
-            _observe_finished(rt, out, arrival)
+        if not usage.unfinished:
+            _observe_finished(rt, usage, arrival)
             if gen.include_usage:
-                usage = usage_json(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-                await response.write(sse(shaper.usage_chunk(usage)))
+                await response.write(sse(shaper.usage_chunk(usage.json())))
         await response.write(SSE_DONE)
         await response.write_eof()
     except ConnectionError:
@@ -442,7 +465,7 @@ async def metrics(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     rt.feed.flush()
     rt.metrics.set_load(await rt.worker.front.stats(), rt.worker.events.num_cached)
-    return web.Response(body=rt.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=rt.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 async def kv_snapshot(request: web.Request) -> web.Response:
@@ -598,10 +621,3 @@ def create_app(worker: Worker, *, contexts: Sequence[Context] = ()) -> web.Appli
     app.cleanup_ctx.extend(contexts)
     app.on_shutdown.append(_release_pollers)
     return app
-
-
-def serve(app: web.Application, **where: Any) -> None:
-    """Run until interrupted, with the settings the worker and the gateway rely on (handler
-    cancellation: a client that leaves cancels its handler, which aborts its work upstream); `where`
-    is run_app's host and port, or sock."""
-    web.run_app(app, handler_cancellation=True, access_log=None, print=log.info, **where)

@@ -12,8 +12,9 @@ import torch
 
 from bench.cuda_check import FOLDER_FILES
 from gateway.cli import main
+from protocol.models import default_gguf_path
 from tests.workers.conftest import tiny_llama_config
-from workers.engine.loader import convert_gguf, default_gguf_path
+from workers.engine.loader import convert_gguf
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -17,10 +17,10 @@ import pytest
 import redis
 
 from bench.chaos import Traffic, completion, family_prompt
+from protocol.redis_keys import WORKERS, worker_key
 from tests.conftest import free_port, start_redis_server
 from tests.gateway.conftest import RunningGateway, SimWorker
 from tests.gateway.test_shared_state import wait_for
-from workers.redis_keys import WORKERS, worker_key
 
 
 class PrivateRedis:

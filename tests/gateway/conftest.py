@@ -7,6 +7,7 @@ prompts run end to end through the official client while the workers stay fast c
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ import httpx
 import openai
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
 from gateway.app import GATEWAY, create_app
 from gateway.cli import build_parser
@@ -137,3 +139,130 @@ def start_gateway() -> Iterator[Callable[..., RunningGateway]]:
     yield start
     for server in servers:
         server.stop()
+
+
+@dataclass(frozen=True)
+class Received:
+    method: str
+    # Path and query string, as they reached the backend.
+    target: str
+    headers: CIMultiDict[str]
+    body: bytes
+
+
+Answers = dict[tuple[str, bool], bytes | list[bytes]]
+
+
+class RecordingBackend:
+    """A foreign OpenAI-compatible server for pass-through tests: it records every request as the bytes
+    it received, and answers with the bytes a test gave it (`answers[(path, stream)]`; a list of bytes
+    is sent as SSE, one write each). /v1/responses answers carry a fresh id, `resp_{name}_{n}`, and,
+    like a real server, a `previous_response_id` this backend did not produce is a 404."""
+
+    def __init__(self, name: str, model: str, answers: Answers) -> None:
+        self.name = name
+        self.model = model
+        self.answers = answers
+        # The status the given answers are sent with (an error body, say).
+        self.status = 200
+        self.received: list[Received] = []
+        self.responses: list[str] = []
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_route("*", "/{tail:.*}", self._record)
+        self.server = ServerThread(app)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = [{"id": self.model, "object": "model", "max_model_len": 8192}]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _record(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.received.append(Received(request.method, request.raw_path, CIMultiDict(request.headers), raw))
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            body = {}
+        stream = isinstance(body, dict) and body.get("stream") is True
+        if request.path == "/v1/responses" and request.method == "POST":
+            return await self._response(request, body, stream)
+        answer = self.answers.get((request.path, stream))
+        if answer is None:
+            return web.json_response({"backend": self.name, "path": request.path, "method": request.method})
+        if isinstance(answer, bytes):
+            return web.Response(body=answer, status=self.status, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for chunk in answer:
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+    async def _response(self, request: web.Request, body: dict[str, Any], stream: bool) -> web.StreamResponse:
+        previous = body.get("previous_response_id")
+        if previous is not None and previous not in self.responses:
+            error = {
+                "error": {
+                    "message": f"Response with id '{previous}' not found.",
+                    "type": "invalid_request_error",
+                }
+            }
+            return web.json_response(error, status=404)
+        response_id = f"resp_{self.name}_{len(self.responses)}"
+        self.responses.append(response_id)
+        obj = {
+            "id": response_id,
+            "object": "response",
+            "created_at": 1,
+            "model": self.model,
+            "status": "completed",
+            "output": [
+                {
+                    "type": "message",
+                    "id": f"msg_{response_id}",
+                    "role": "assistant",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": f"from {self.name}", "annotations": []}],
+                }
+            ],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "previous_response_id": previous,
+        }
+        if not stream:
+            return web.json_response(obj)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        events = [
+            {"type": "response.created", "sequence_number": 0, "response": {**obj, "status": "in_progress"}},
+            {"type": "response.output_text.delta", "sequence_number": 1, "item_id": f"msg_{response_id}",
+             "output_index": 0, "content_index": 0, "delta": f"from {self.name}"},
+            {"type": "response.completed", "sequence_number": 2, "response": obj},
+        ]  # fmt: skip
+        for event in events:
+            await response.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
+        await response.write_eof()
+        return response
+
+
+@pytest.fixture
+def recording_backend() -> Iterator[Callable[..., tuple[RecordingBackend, str]]]:
+    started: list[RecordingBackend] = []
+
+    def start(
+        name: str,
+        model: str = "foreign-m",
+        answers: Answers | None = None,
+    ) -> tuple[RecordingBackend, str]:
+        backend = RecordingBackend(name, model, answers or {})
+        started.append(backend)
+        return backend, backend.server.start()
+
+    yield start
+    for backend in started:
+        backend.server.stop()

@@ -129,7 +129,24 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": SIM_MODEL, "prompt": "x", "max_tokens": 10**9}, 400, "invalid_value"),
     ("/v1/completions", {"model": SIM_MODEL, "prompt": "x", "temperature": 7}, 400, "invalid_value"),
     ("/v1/completions", {"model": SIM_MODEL, "prompt": [1, -4]}, 400, "invalid_value"),
-    ("/v1/completions", {"model": SIM_MODEL, "prompt": "x", "n": 3}, 400, "unsupported"),
+    ("/v1/completions", {"model": SIM_MODEL, "prompt": "x", "best_of": 3}, 400, "unsupported"),
+    # What a bundled worker cannot honour is its to refuse, naming the field (a foreign one may serve it).
+    (
+        "/v1/chat/completions",
+        {"model": SIM_MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        400,
+        "unsupported",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": SIM_MODEL,
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_object"},
+        },
+        400,
+        "unsupported",
+    ),
     ("/v1/completions", {"model": "gpt-17", "prompt": "x"}, 404, "model_not_found"),
     ("/v1/completions", {"model": 5, "prompt": "x"}, 400, "invalid_value"),
     ("/v1/chat/completions", {"model": SIM_MODEL, "messages": []}, 400, "invalid_value"),

@@ -19,8 +19,8 @@ import orjson
 import pytest
 from aiohttp import web
 
+from protocol.openai_responses import SSE_DONE, sse
 from tests.gateway.conftest import RunningGateway, foreign_backend
-from workers.openai_api import SSE_DONE, sse
 
 MODEL = "slow-close"
 CHUNKS = 5
@@ -52,7 +52,12 @@ def slow_close_backend() -> Iterator[str]:
 
 
 def _counted(gateway: RunningGateway, status: str, replica: str) -> float:
-    labels = {"model": MODEL if replica else "", "replica": replica, "policy": gateway.gw.policy.name}
+    labels = {
+        "model": MODEL if replica else "",
+        "replica": replica,
+        "policy": gateway.gw.policy.name,
+        "route": "completions",
+    }
     value = gateway.gw.metrics.registry.get_sample_value(
         "prefixgate_gateway_requests_total", {**labels, "status": status}
     )

@@ -20,12 +20,12 @@ import pytest
 import redis
 
 from gateway.kv_sync import IndexSync, SyncState, Transport, follow_http, follow_redis
+from protocol.redis_keys import kv_stream_key
 from radix.index import RadixIndex
 from tests.conftest import free_port, start_redis_server
 from tests.workers.conftest import ServerThread
 from tests.workers.test_redis_publisher import BLOCK_SIZE, PublishedWorker
 from workers.kv_events import KVEventLog
-from workers.redis_keys import kv_stream_key
 from workers.redis_publisher import PublisherConfig, connect, redis_context
 from workers.server import Worker, create_app
 from workers.sim.engine import SimEngine

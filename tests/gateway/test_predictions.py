@@ -11,8 +11,8 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from gateway.predictions import Predictions
+from protocol.redis_keys import PREDICTIONS
 from radix.index import RadixIndex
-from workers.redis_keys import PREDICTIONS
 
 TTL_S = 30.0
 

@@ -89,7 +89,9 @@ def serve(
 
 async def post(client: UpstreamClient, server: Server, path: str = "/v1/completions", read_s: float = 5.0):
     headers = {"Content-Type": "application/json", "Authorization": "Bearer clé"}
-    return await client.post(server.url, path, b'{"prompt": "hi"}', headers, connect_s=5, read_s=read_s)
+    return await client.request(
+        "POST", server.url, path, b'{"prompt": "hi"}', headers, connect_s=5, read_s=read_s
+    )
 
 
 def test_a_stream_arrives_chunk_by_chunk_not_when_it_ends() -> None:
@@ -242,8 +244,8 @@ def test_unreachable_and_garbled_replicas_fail_with_their_kind() -> None:
             await post(client, server)
         assert bad.value.kind == "bad_response"
         with pytest.raises(UpstreamError) as refused:
-            await client.post(
-                f"http://127.0.0.1:{free_port()}", "/v1/completions", b"{}", {}, connect_s=2, read_s=2
+            await client.request(
+                "POST", f"http://127.0.0.1:{free_port()}", "/v1/completions", b"{}", {}, connect_s=2, read_s=2
             )
         assert refused.value.kind == "connect_failed"
 

@@ -16,9 +16,10 @@ import torch
 from aiohttp import web
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
+from protocol.models import default_gguf_path
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.llm import load
-from workers.engine.loader import LoadedModel, convert_gguf, default_gguf_path, load_tokenizer, load_weights
+from workers.engine.loader import LoadedModel, convert_gguf, load_tokenizer, load_weights
 from workers.kv_events import KVEventLog
 from workers.server import Worker, create_app
 
@@ -44,7 +45,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[LlamaForCausalLM, Lo
     """A random 2-layer Llama over SmolLM2's tokenizer, so that text paths run on real tokens."""
     tokenizer = load_tokenizer(convert_gguf(default_gguf_path()))
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tokenizer.eos_token_id)).eval()
+    hf = LlamaForCausalLM(tiny_llama_config(len(tokenizer), tokenizer.special_token_id("eos_token"))).eval()
     folder: Path = tmp_path_factory.mktemp("tiny-llama")
     hf.save_pretrained(folder)
     model = load_weights(folder)

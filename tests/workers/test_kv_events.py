@@ -10,10 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protocol.kv_events import EventBatch, KVEvent, apply_batches
 from workers.engine.block_manager import BlockManager
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence
-from workers.kv_events import EventBatch, EventsGone, KVEvent, KVEventLog, apply_batches
+from workers.kv_events import EventsGone, KVEventLog
 
 ONE = SamplingParams(max_tokens=1)
 

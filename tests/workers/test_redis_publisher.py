@@ -22,10 +22,11 @@ import httpx
 import pytest
 import redis
 
+from protocol.kv_events import EventBatch, apply_batches
+from protocol.redis_keys import WORKERS, kv_stream_key, load_key, worker_key
 from tests.conftest import free_port, start_redis_server
 from tests.workers.conftest import ServerThread
-from workers.kv_events import EventBatch, KVEventLog, apply_batches
-from workers.redis_keys import WORKERS, kv_stream_key, load_key, worker_key
+from workers.kv_events import KVEventLog
 from workers.redis_publisher import PublisherConfig, redis_context
 from workers.server import Worker, create_app
 from workers.sim.engine import SimEngine

@@ -16,8 +16,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from protocol.kv_events import EventBatch, apply_batches
 from workers.engine.engine import EngineConfig
-from workers.kv_events import EventBatch, KVEventLog, apply_batches
+from workers.kv_events import KVEventLog
 from workers.server import Worker
 from workers.sim.engine import SimEngine
 from workers.sim.profiles import CPU_SMOLLM2
@@ -95,9 +96,7 @@ def test_completion_response_shape_and_usage(tiny_worker: RunningWorker) -> None
     [choice] = done.choices
     assert choice.index == 0 and choice.finish_reason == "length" and isinstance(choice.text, str)
     assert done.usage.completion_tokens == 5
-    assert done.usage.prompt_tokens == len(
-        tiny_worker.worker.tokenizer.encode("Hello there", add_special_tokens=False)
-    )
+    assert done.usage.prompt_tokens == len(tiny_worker.worker.tokenizer.encode("Hello there"))
     assert done.usage.total_tokens == done.usage.prompt_tokens + 5
     assert done.usage.prompt_tokens_details.cached_tokens == 0
 
@@ -105,7 +104,7 @@ def test_completion_response_shape_and_usage(tiny_worker: RunningWorker) -> None
 def test_prompt_as_text_ids_or_attached_ids_is_the_same_request(tiny_worker: RunningWorker) -> None:
     client = tiny_worker.client()
     text = "The quick brown fox jumps over the lazy dog"
-    ids = tiny_worker.worker.tokenizer.encode(text, add_special_tokens=False)
+    ids = tiny_worker.worker.tokenizer.encode(text)
     by_text = client.completions.create(model=tiny_worker.model, prompt=text, max_tokens=6, **greedy())
     by_ids = client.completions.create(model=tiny_worker.model, prompt=ids, max_tokens=6, **greedy())
     attached = client.completions.create(
@@ -244,6 +243,154 @@ def test_models_health_and_load(tiny_worker: RunningWorker) -> None:
     }
 
 
+# -- n > 1 choices -------------------------------------------------------------------------------
+
+SEEDED = {"temperature": 1.0, "seed": 7, "extra_body": {"ignore_eos": True}}
+
+
+def by_index(texts: list[tuple[int, str]]) -> dict[int, str]:
+    joined: dict[int, str] = {}
+    for index, text in texts:
+        joined[index] = joined.get(index, "") + text
+    return joined
+
+
+def assert_offsets_run_per_choice(tokens: list[str], offsets: list[int]) -> None:
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_n_completion_choices_share_one_prompt(tiny_worker: RunningWorker) -> None:
+    client = tiny_worker.client()
+    ids = random_ids(18, seed=11)
+    single = client.completions.create(model=tiny_worker.model, prompt=ids, max_tokens=5, **SEEDED)
+    done = client.completions.create(
+        model=tiny_worker.model, prompt=ids, max_tokens=5, n=3, logprobs=1, **SEEDED
+    )
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in done.choices)
+    # Choice 0 is the request itself; the others draw from seeds of their own.
+    assert done.choices[0].text == single.choices[0].text
+    assert len({c.text for c in done.choices}) == 3
+    for c in done.choices:
+        assert len(c.logprobs.tokens) == 5
+        assert_offsets_run_per_choice(c.logprobs.tokens, c.logprobs.text_offset)
+    # The prompt counts once; its 4 full blocks were cached by the single-choice request.
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens, done.usage.total_tokens) == (18, 15, 33)
+    assert done.usage.prompt_tokens_details.cached_tokens == 16
+    raw = httpx.post(f"{tiny_worker.url}/v1/completions", json={"prompt": ids, "max_tokens": 2, "n": 3})
+    assert raw.headers["x-prefixgate-cached-tokens"] == "16"
+    assert raw.json()["usage"]["completion_tokens"] == 6
+    wait_for(lambda: idle(tiny_worker))
+
+
+def test_n_chat_choices_greedy_are_all_the_single_choice(tiny_worker: RunningWorker) -> None:
+    client = tiny_worker.client()
+    messages = [{"role": "user", "content": "Name three colours."}]
+    single = client.chat.completions.create(
+        model=tiny_worker.model, messages=messages, max_tokens=6, **greedy()
+    )
+    done = client.chat.completions.create(
+        model=tiny_worker.model, messages=messages, max_tokens=6, n=3, **greedy()
+    )
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert [c.message.content for c in done.choices] == [single.choices[0].message.content] * 3
+    assert all(c.message.role == "assistant" and c.finish_reason == "length" for c in done.choices)
+    assert done.usage.prompt_tokens == single.usage.prompt_tokens and done.usage.completion_tokens == 18
+    wait_for(lambda: idle(tiny_worker))
+
+
+def test_n_streamed_completion_choices(tiny_worker: RunningWorker) -> None:
+    client = tiny_worker.client()
+    ids = random_ids(22, seed=12)
+    whole = client.completions.create(model=tiny_worker.model, prompt=ids, max_tokens=6, n=3, **SEEDED)
+    chunks = list(
+        client.completions.create(
+            model=tiny_worker.model,
+            prompt=ids,
+            max_tokens=6,
+            n=3,
+            logprobs=1,
+            stream=True,
+            stream_options={"include_usage": True},
+            **SEEDED,
+        )
+    )
+    *body, last = chunks
+    assert all(len(c.choices) == 1 and c.usage is None for c in body)
+    texts = by_index([(c.choices[0].index, c.choices[0].text) for c in body])
+    assert texts == {c.index: c.text for c in whole.choices}
+    finishes = [(c.choices[0].index, c.choices[0].finish_reason) for c in body if c.choices[0].finish_reason]
+    assert sorted(finishes) == [(0, "length"), (1, "length"), (2, "length")]
+    for index in range(3):
+        mine = [c.choices[0].logprobs for c in body if c.choices[0].index == index and c.choices[0].logprobs]
+        tokens = [t for lp in mine for t in lp.tokens]
+        assert len(tokens) == 6
+        assert_offsets_run_per_choice(tokens, [o for lp in mine for o in lp.text_offset])
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (22, 18)
+    with httpx.stream(
+        "POST",
+        f"{tiny_worker.url}/v1/completions",
+        json={"prompt": ids, "max_tokens": 3, "n": 3, "stream": True},
+    ) as raw:
+        frames = [line for line in raw.iter_lines() if line]
+    assert frames.count("data: [DONE]") == 1 and frames[-1] == "data: [DONE]"
+    wait_for(lambda: idle(tiny_worker))
+
+
+def test_n_streamed_chat_choices_each_open_and_finish(tiny_worker: RunningWorker) -> None:
+    client = tiny_worker.client()
+    messages = [{"role": "user", "content": "Count to three."}]
+    whole = client.chat.completions.create(
+        model=tiny_worker.model, messages=messages, max_tokens=5, **greedy()
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=tiny_worker.model, messages=messages, max_tokens=5, n=3, stream=True, **greedy()
+        )
+    )
+    assert [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:3]] == [
+        (i, "assistant") for i in range(3)
+    ]
+    assert all(c.choices[0].delta.role is None for c in chunks[3:])
+    contents = by_index([(c.choices[0].index, c.choices[0].delta.content or "") for c in chunks])
+    assert contents == {i: whole.choices[0].message.content for i in range(3)}
+    finishes = [
+        (c.choices[0].index, c.choices[0].finish_reason) for c in chunks if c.choices[0].finish_reason
+    ]
+    assert sorted(finishes) == [(0, "length"), (1, "length"), (2, "length")]
+    wait_for(lambda: idle(tiny_worker))
+
+
+def test_n_choices_default_max_tokens_fits_the_pool_and_refusals(make_worker: StartWorker) -> None:
+    worker = make_worker(EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4))
+    client = worker.client()
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    # Chat without max_tokens asks for all that fits: for 3 choices, a third of the pool each.
+    done = client.chat.completions.create(model=worker.model, messages=messages, n=3, **greedy())
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert 3 <= done.usage.completion_tokens <= 3 * 64 * 4 // 3
+    too_many = httpx.post(f"{worker.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 5})
+    assert "n=5" in error_of(too_many, 400)["message"]
+    too_big = httpx.post(f"{worker.url}/v1/completions", json={"prompt": [5] * 100, "max_tokens": 60, "n": 4})
+    assert "KV blocks" in error_of(too_big, 400)["message"]
+    wait_for(lambda: idle(worker))
+
+
+def test_a_client_leaving_aborts_all_its_choices(make_worker: StartWorker) -> None:
+    worker = make_worker()
+    slow_down(worker, 0.02)
+    body = {"prompt": random_ids(40, seed=13), "max_tokens": 200, "n": 3, "stream": True, **LONG}
+    with (
+        httpx.Client(base_url=worker.url, timeout=10) as client,
+        client.stream("POST", "/v1/completions", json=body) as stream,
+    ):
+        lines = stream.iter_lines()
+        first_event(lines)
+        busy = load(worker)
+        assert busy["running"] == 3 and busy["kv_blocks_used"] > 0
+    wait_for(lambda: idle(worker), timeout=3)
+
+
 # -- refusals -------------------------------------------------------------------------------------
 
 BAD_REQUESTS = [
@@ -260,7 +407,8 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "x", "temperature": -1}', 400, "temperature"),
     ("/v1/completions", b'{"prompt": "x", "temperature": 9}', 400, "temperature"),
     ("/v1/completions", b'{"prompt": "x", "top_p": 2}', 400, "top_p"),
-    ("/v1/completions", b'{"prompt": "x", "n": 3}', 400, "n"),
+    ("/v1/completions", b'{"prompt": "x", "n": 65}', 400, "n"),
+    ("/v1/completions", b'{"prompt": "x", "best_of": 2}', 400, "best_of"),
     ("/v1/completions", b'{"prompt": "x", "stop": [1]}', 400, "stop"),
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, None),
     ("/v1/completions", b'{"prompt": "x", "stream_options": {"include_usage": true}}', 400, "stream_options"),
@@ -269,7 +417,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}]}', 400, "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', 400, "messages"),
     ("/v1/chat/completions", b'{"messages": {"role": "user", "content": "x"}}', 400, "messages"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 0}', 400, "n"),
 ]
 
 
@@ -288,10 +436,41 @@ def test_the_openai_client_sees_typed_errors(tiny_worker: RunningWorker) -> None
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="nope", prompt="x")
     assert missing.value.code == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
-        client.chat.completions.create(
-            model=tiny_worker.model, messages=[{"role": "user", "content": "x"}], n=2
-        )
+    with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
+        client.completions.create(model=tiny_worker.model, prompt="x", best_of=2)
+
+
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+
+
+def test_a_tool_calling_history_is_served_and_unsupported_features_are_refused_by_name(
+    tiny_worker: RunningWorker,
+) -> None:
+    """A bundled worker cannot call tools, but it serves the histories agents send: an assistant turn
+    that called a tool (content null) and the tool's result, through the chat template or, where the
+    template cannot render them, its canonical form (protocol.prompts)."""
+    client = tiny_worker.client()
+    history = [
+        {"role": "user", "content": "Find order 7."},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "order 7: shipped"},
+        {"role": "user", "content": "So?"},
+    ]
+    reply = client.chat.completions.create(model=tiny_worker.model, messages=history, max_tokens=3)
+    assert reply.choices[0].finish_reason == "length" and reply.usage.prompt_tokens > 20
+    for field, value in (("tools", [TOOL]), ("response_format", {"type": "json_object"})):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model=tiny_worker.model, messages=history, max_tokens=3, **{field: value}
+            )
+        assert refused.value.param == field and f"{field} is not supported" in refused.value.message
+    assert idle(tiny_worker)
 
 
 def test_prompt_longer_than_the_context_window(tiny_worker: RunningWorker) -> None:

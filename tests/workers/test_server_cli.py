@@ -61,7 +61,7 @@ def test_the_worker_process_serves_and_exits_cleanly(tiny, tmp_path: Path) -> No
     _, loaded = tiny
     folder = tmp_path / "tiny-served"
     shutil.copytree(loaded.path, folder)
-    loaded.tokenizer.save_pretrained(folder)
+    loaded.tokenizer.save(folder)
     port = free_port()
     command = [
         sys.executable,

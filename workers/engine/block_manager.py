@@ -5,7 +5,9 @@ gateway computes for the same tokens, so the worker's cache and the gateway's in
 construction. A registered block outlives the sequences that referenced it: once its reference
 count drops to 0 it waits in an LRU list, still reusable, until its slot is needed for new tokens.
 Every registration and eviction is reported through callbacks, which become the KV events of
-DESIGN §4; replaying them yields exactly `cached_hashes()`.
+DESIGN §4; replaying them yields exactly `cached_hashes()`. Sequences share blocks by reference
+count: on a prefix-cache hit, and as the choices of an n > 1 request, forked off one prefill of
+their prompt (`fork`).
 """
 
 from __future__ import annotations
@@ -150,6 +152,26 @@ class BlockManager:
             return False
         seq.block_table.extend(self._take(new))
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give a child with no blocks the parent's full computed blocks, by reference: no KV is
+        copied, and each shared block's reference count grows by one.
+
+        The parent's last, partial block is not shared: the child's own tokens go after the prompt's
+        tail in that block, and they differ from the parent's. Rather than copy the block on write,
+        the child recomputes the tail (at most block_size - 1 tokens) together with its first
+        sampled token in its next chunk, a step it runs anyway. A prompt that fills its last block
+        leaves the child a plain decode.
+        """
+        if child.block_table:
+            raise ValueError(f"sequence {child.seq_id} already holds blocks")
+        full = parent.num_computed_tokens // self.block_size
+        shared = parent.block_table[:full]
+        for block in shared:
+            self._ref_counts[block] += 1
+        child.block_table = shared
+        child.num_computed_tokens = full * self.block_size
+        child.block_hashes = self._hashes(parent, full)
 
     def _take(self, count: int) -> list[int]:
         """`count` blocks with one reference each: never-used ones first, then LRU evictions."""

@@ -3,6 +3,10 @@
 Synchronous and single-threaded on purpose: the offline LLM calls `step()` in a loop, and the
 async front (llm.py) runs the same loop in one background thread, so the engine itself never has
 to think about locks or event loops.
+
+A request asks for n choices of one prompt. Each choice is a sequence of its own, forked off the
+single prefill of the prompt (scheduler.py); the engine maps its sequences back to (request,
+choice index) and reports every delta tagged with both.
 """
 
 from __future__ import annotations
@@ -43,18 +47,32 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """What one step produced for one request: the delta to stream, and the totals for usage."""
+    """What one step produced for one choice of a request: the delta to stream, and the totals for
+    usage. `finished` is the choice's; the request is done when all of its choices are."""
 
     request_id: int
+    # The choice, 0..n-1 (always 0 for n=1).
+    index: int
     new_token_ids: list[int]
     new_text: str
     finished: bool
     finish_reason: FinishReason | None
+    # The prompt's tokens and those of it served from the prefix cache: the same for every choice.
     prompt_tokens: int
     cached_tokens: int
+    # This choice's tokens so far.
     completion_tokens: int
     # (logprob, top alternatives) of each new token, when the request asked for logprobs.
     new_logprobs: list[tuple[float | None, list[tuple[int, float]] | None]] | None = None
+
+
+@dataclass(slots=True)
+class _Choice:
+    """Where a sequence's deltas go: its request and choice index, and its own text stream."""
+
+    request_id: int
+    index: int
+    detokenizer: Detokenizer
 
 
 class PromptTooLong(ValueError):
@@ -143,22 +161,36 @@ class Engine:
         self.runner = runner
         self._now = now
         self._ids = itertools.count()
-        self._sequences: dict[int, Sequence] = {}
-        self._detokenizers: dict[int, Detokenizer] = {}
+        # Request id -> its choices' sequences, in index order, until every one has finished.
+        self._requests: dict[int, list[Sequence]] = {}
+        # Sequence id -> its choice, until its final delta.
+        self._choices: dict[int, _Choice] = {}
 
-    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> int:
-        """Queue a request; raises PromptTooLong or UnschedulableSequence for one that can never run."""
+    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams, n: int = 1) -> int:
+        """Queue a request for `n` choices of one prompt and return its id, which is also the sequence
+        id of its choice 0 (the one that prefills the prompt). Raises PromptTooLong or
+        UnschedulableSequence for a request that can never run."""
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
         needed = len(prompt_token_ids) + sampling.max_tokens
         if needed > self.max_context_len:
             raise PromptTooLong(
                 f"this model's context window is {self.max_context_len} tokens, but the request needs "
                 f"{needed} ({len(prompt_token_ids)} in the prompt + {sampling.max_tokens} max_tokens)"
             )
-        request_id = next(self._ids)
-        seq = Sequence(request_id, list(prompt_token_ids), sampling, arrival_time=self._now())
-        self.scheduler.add(seq)
-        self._sequences[request_id] = seq
-        self._detokenizers[request_id] = Detokenizer(stop=sampling.stop)
+        now = self._now()
+        # One prompt list for all the choices: a sequence never changes its prompt.
+        prompt = list(prompt_token_ids)
+        group = [
+            Sequence(next(self._ids), prompt, sampling.for_choice(i), arrival_time=now) for i in range(n)
+        ]
+        parent = group[0]
+        parent.forks = group[1:]
+        self.scheduler.add(parent)
+        request_id = parent.seq_id
+        self._requests[request_id] = group
+        for index, seq in enumerate(group):
+            self._choices[seq.seq_id] = _Choice(request_id, index, Detokenizer(stop=sampling.stop))
         return request_id
 
     def has_work(self) -> bool:
@@ -168,7 +200,7 @@ class Engine:
         return self.scheduler.stats()
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, and return a delta for every request that got a token."""
+        """Schedule, run the model, and return a delta for every choice that got a token."""
         chunks = self.scheduler.schedule(self._now())
         if not chunks:
             return []
@@ -176,16 +208,22 @@ class Engine:
         changed = self.scheduler.update(chunks, outputs, self._now())
         return [self._delta(seq) for seq in changed]
 
-    def abort(self, request_id: int) -> RequestOutput | None:
-        """Stop a request now and free its KV blocks; None when it had already finished."""
-        seq = self.scheduler.abort(request_id, self._now())
-        if seq is None:
-            return None
-        return self._delta(seq, new_token=False)
+    def abort(self, request_id: int) -> list[RequestOutput]:
+        """Stop every choice of a request now and free their KV blocks; the final delta of each choice
+        that was still running (none when the request had already finished)."""
+        group = self._requests.get(request_id)
+        if group is None:
+            return []
+        unfinished = [seq for seq in group if seq.seq_id in self._choices]
+        now = self._now()
+        for seq in unfinished:
+            # Choices not forked yet are not the scheduler's: they end with choice 0.
+            self.scheduler.abort(seq.seq_id, now)
+        return [self._delta(seq, new_token=False) for seq in unfinished]
 
     def _text(self, seq: Sequence) -> str:
         """The text the latest token adds; a stop string that completes here finishes the sequence."""
-        detok = self._detokenizers[seq.seq_id]
+        detok = self._choices[seq.seq_id].detokenizer
         text = detok.update(self.tokenizer, seq.output_token_ids, final=seq.is_finished)
         if detok.stopped and not seq.is_finished:
             self.scheduler.finish(seq.seq_id, "stop", self._now())
@@ -193,6 +231,8 @@ class Engine:
 
     def _delta(self, seq: Sequence, new_token: bool = True) -> RequestOutput:
         """The delta of a step: the sequence's latest token (each step adds at most one) and its text."""
+        choice = self._choices[seq.seq_id]
+        group = self._requests[choice.request_id]
         new_ids = seq.output_token_ids[-1:] if new_token else []
         text = self._text(seq) if new_ids else ""
         logprobs = None
@@ -200,16 +240,19 @@ class Engine:
             last = seq.output_logprobs[-1]
             logprobs = [(last.logprob, last.top_logprobs)]
         if seq.is_finished:
-            del self._sequences[seq.seq_id]
-            del self._detokenizers[seq.seq_id]
+            del self._choices[seq.seq_id]
+            if all(s.seq_id not in self._choices for s in group):
+                del self._requests[choice.request_id]
         return RequestOutput(
-            request_id=seq.seq_id,
+            request_id=choice.request_id,
+            index=choice.index,
             new_token_ids=new_ids,
             new_text=text,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             prompt_tokens=seq.num_prompt_tokens,
-            cached_tokens=seq.num_cached_tokens,
+            # Choice 0's: it admitted the prompt, whether or not the others were forked yet.
+            cached_tokens=group[0].num_cached_tokens,
             completion_tokens=seq.num_output_tokens,
             new_logprobs=logprobs,
         )

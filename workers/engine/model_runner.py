@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from workers.engine.attention import AttentionBackend, AttentionMetadata, build_metadata, select_backend
-from workers.engine.batch import ScheduledChunk, StepOutput
+from workers.engine.batch import ScheduledChunk, StepOutput, sample_slots
 from workers.engine.model import LlamaForCausalLM, ModelConfig
 from workers.engine.sampler import sample
 
@@ -81,27 +81,30 @@ class ModelRunner:
         return kv_bytes_per_token(self.config, self.dtype)
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[StepOutput]:
-        """Run a step; one StepOutput per chunk with sample=True, in chunk order."""
-        logits, sampled = self._run(chunks)
-        if not sampled:
+        """Run a step; one StepOutput per sample slot (a chunk with sample=True, then its forks)."""
+        logits = self._run(chunks)
+        slots = sample_slots(chunks)
+        if not slots:
             return []
-        tokens = sample(
-            logits, [c.sampling for c in sampled], [c.num_generated for c in sampled], self.generator
-        )
+        if len(slots) > logits.shape[0]:
+            # Forks sample from their parent's row: repeat it once per fork (a few rows of a vocab).
+            rows = torch.tensor([s.row for s in slots], dtype=torch.int64, device=logits.device)
+            logits = logits.index_select(0, rows)
+        tokens = sample(logits, [s.sampling for s in slots], [s.num_generated for s in slots], self.generator)
         return [
-            StepOutput(c.seq_id, t.token_id, t.logprob, t.top_logprobs)
-            for c, t in zip(sampled, tokens, strict=True)
+            StepOutput(s.seq_id, t.token_id, t.logprob, t.top_logprobs)
+            for s, t in zip(slots, tokens, strict=True)
         ]
 
     def compute_logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         """Run a step (KV written as in execute) and return the fp32 last-position logits of the chunks
         that sample, [num_sampled, vocab], instead of sampling them."""
-        return self._run(chunks)[0]
+        return self._run(chunks)
 
     @torch.inference_mode()
-    def _run(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+    def _run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         if not chunks:
-            return torch.empty(0, self.config.vocab_size), []
+            return torch.empty(0, self.config.vocab_size)
         max_len = self.config.max_context_len
         for c in chunks:
             if c.start_pos + len(c.token_ids) > max_len:
@@ -119,9 +122,8 @@ class ModelRunner:
         )
         attention = self.attention.prepare(meta, self.config.head_dim**-0.5)
         hidden = self.model(input_ids, meta.positions, attention, self._layer_caches)
-        sampled = [c for c in chunks if c.sample]
         last_rows = _last_rows(meta, [c.sample for c in chunks])
-        return self.model.compute_logits(hidden.index_select(0, last_rows.to(self.device))), sampled
+        return self.model.compute_logits(hidden.index_select(0, last_rows.to(self.device)))
 
 
 def _last_rows(meta: AttentionMetadata, sample: Sequence[bool]) -> torch.Tensor:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,3 +38,22 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of an n > 1 request.
+
+        Choice 0 is the request itself, so n=1 samples exactly as before. A seeded request gives every
+        other choice a seed of its own, mixed from (seed, index): the choices differ from each other,
+        yet the same request repeats all of them. Unseeded choices draw from the engine's generator.
+        """
+        if index == 0 or self.seed is None:
+            return self
+        return dataclasses.replace(self, seed=_choice_seed(self.seed, index))
+
+
+def _choice_seed(seed: int, index: int) -> int:
+    """splitmix64 of (seed, index): neighbouring choices get unrelated seeds."""
+    z = (seed * 0x9E3779B97F4A7C15 + index) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)

@@ -6,6 +6,12 @@ prefixes and preempt exactly as real ones do.
 
 One step is `schedule(now)` -> run the chunks -> `update(chunks, outputs, now)`; a step's chunks must
 be applied by `update` before the next `schedule`.
+
+A request for n > 1 choices arrives as one sequence holding n - 1 forks (Sequence.forks). Only it
+queues and prefills; the step that samples its first token samples the forks' first tokens from the
+same logits, and `update` then forks them off it (BlockManager.fork). From there each choice is a
+sequence of its own: it decodes, is preempted, finishes and is aborted on its own. Admission keeps a
+seat for every fork still held, so the forks never push the batch past max_num_seqs.
 """
 
 from __future__ import annotations
@@ -74,21 +80,37 @@ class Scheduler:
         self._live: dict[int, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence; refuse one that could not run even alone, rather than let it wait
-        (or preempt itself) forever."""
-        if seq.seq_id in self._live:
-            raise ValueError(f"sequence {seq.seq_id} is already scheduled")
-        if seq.status is not SequenceStatus.WAITING or seq.output_token_ids or seq.block_table:
-            raise ValueError(f"sequence {seq.seq_id} is not a fresh sequence")
+        """Queue a new sequence (with its forks, for an n > 1 request); refuse one that could not run
+        even alone, all its choices at once, rather than let it wait (or preempt itself) forever."""
+        for member in (seq, *seq.forks):
+            if member.seq_id in self._live:
+                raise ValueError(f"sequence {member.seq_id} is already scheduled")
+            if member.status is not SequenceStatus.WAITING or member.output_token_ids or member.block_table:
+                raise ValueError(f"sequence {member.seq_id} is not a fresh sequence")
+        if len({member.seq_id for member in (seq, *seq.forks)}) != seq.group_size:
+            raise ValueError(f"the choices of sequence {seq.seq_id} need one sequence id each")
+        for child in seq.forks:
+            if child.forks or child.prompt_token_ids != seq.prompt_token_ids:
+                raise ValueError(f"sequence {child.seq_id} is not a plain choice of {seq.seq_id}'s prompt")
         if not seq.prompt_token_ids:
             raise UnschedulableSequence("the prompt is empty: there is no token to compute logits from")
+        n = seq.group_size
+        if n > self.config.max_num_seqs:
+            raise UnschedulableSequence(
+                f"n={n} choices run as {n} sequences at once; this worker runs at most "
+                f"{self.config.max_num_seqs}"
+            )
         # The last sampled token is never written to the KV cache.
         peak = seq.num_prompt_tokens + seq.sampling.max_tokens - 1
         bm = self.block_manager
-        if bm.blocks_for(peak) > bm.num_blocks:
+        # The prompt's full blocks are shared by the choices; each holds the rest of its own.
+        shared = seq.num_prompt_tokens // bm.block_size
+        needed = shared + n * (bm.blocks_for(peak) - shared)
+        if needed > bm.num_blocks:
+            choices = f" for each of n={n} choices" if n > 1 else ""
             raise UnschedulableSequence(
-                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.sampling.max_tokens}) needs "
-                f"{bm.blocks_for(peak)} KV blocks of {bm.block_size} tokens; the pool has {bm.num_blocks}"
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.sampling.max_tokens}){choices} "
+                f"needs {needed} KV blocks of {bm.block_size} tokens; the pool has {bm.num_blocks}"
             )
         if not self.config.enable_chunked_prefill and peak > self.config.max_num_batched_tokens:
             raise UnschedulableSequence(
@@ -133,7 +155,9 @@ class Scheduler:
 
     def _admit(self, budget: int, plan: dict[int, int], now: float) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # A sequence holding forks takes a seat for each: they join the batch when it samples.
+        seats = sum(s.group_size for s in self.running)
+        while self.waiting and budget > 0 and seats + self.waiting[0].group_size <= self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = bm.lookup(seq)
             n = self._chunk_size(seq.num_tokens - cached, budget)
@@ -142,6 +166,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            seats += seq.group_size
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
                 seq.num_cached_tokens = cached
@@ -157,19 +182,22 @@ class Scheduler:
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
         end = start + n
+        sample = end == seq.num_tokens
         return ScheduledChunk(
             seq_id=seq.seq_id,
             token_ids=seq.token_slice(start, end),
             start_pos=start,
             block_table=list(seq.block_table),
-            sample=end == seq.num_tokens,
+            sample=sample,
             sampling=seq.sampling,
             num_generated=seq.num_output_tokens,
+            forks=tuple((child.seq_id, child.sampling) for child in seq.forks) if sample else (),
         )
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV (its full blocks likely stay cached for the re-admission)
-        and go back to the front of the queue, ahead of the ones that arrived after it."""
+        and go back to the front of the queue, ahead of the ones that arrived after it. Forks not
+        made yet stay with it, to be made when its prompt is computed again."""
         self.block_manager.free(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
@@ -180,8 +208,8 @@ class Scheduler:
         self, chunks: Iterable[ScheduledChunk], outputs: Iterable[StepOutput], now: float
     ) -> list[Sequence]:
         """Apply a step's results; return the sequences that got a token (some of them finished),
-        so the engine can stream their deltas. Chunks of sequences finished or aborted while the
-        step ran are ignored."""
+        so the engine can stream their deltas: forks made this step come right after their parent.
+        Chunks of sequences finished or aborted while the step ran are ignored."""
         sampled = {out.seq_id: out for out in outputs}
         changed: list[Sequence] = []
         for chunk in chunks:
@@ -196,20 +224,40 @@ class Scheduler:
             self.block_manager.mark_computed(seq, len(chunk.token_ids))
             if not chunk.sample:
                 continue
-            out = sampled.get(seq.seq_id)
-            if out is None:
-                raise RuntimeError(f"the runner returned no token for sequence {seq.seq_id}")
-            logprobs = None
-            if seq.sampling.logprobs is not None:
-                logprobs = TokenLogprobs(out.logprob, out.top_logprobs)
-            seq.append_token(out.token_id, logprobs)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = self._stop_reason(seq, out.token_id)
-            if reason is not None:
-                self._retire(seq, reason, now)
-            changed.append(seq)
+            self._append(seq, sampled, now)
+            # Forked before the parent can finish (and free the blocks they share) on this token.
+            forks, seq.forks = seq.forks, []
+            for child in forks:
+                self._fork(seq, child)
+                self._append(child, sampled, now)
+            for got in (seq, *forks):
+                reason = self._stop_reason(got, got.output_token_ids[-1])
+                if reason is not None:
+                    self._retire(got, reason, now)
+                changed.append(got)
         return changed
+
+    def _append(self, seq: Sequence, sampled: dict[int, StepOutput], now: float) -> None:
+        out = sampled.get(seq.seq_id)
+        if out is None:
+            raise RuntimeError(f"the runner returned no token for sequence {seq.seq_id}")
+        logprobs = None
+        if seq.sampling.logprobs is not None:
+            logprobs = TokenLogprobs(out.logprob, out.top_logprobs)
+        seq.append_token(out.token_id, logprobs)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start a choice off its parent's computed prompt: it joins the batch right behind it, with
+        the prompt's full blocks shared and the parent's admission (the cached-token count the
+        client is told, the time it was first scheduled) as its own."""
+        self.block_manager.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.running.append(child)
+        self._live[child.seq_id] = child
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         sampling = seq.sampling
@@ -233,15 +281,19 @@ class Scheduler:
         return self.finish(seq_id, "abort", now)
 
     def _retire(self, seq: Sequence, reason: FinishReason, now: float) -> None:
+        """Finish `seq` and free its blocks; forks it still holds (its prompt was never completed,
+        so only an abort gets here) end with it, having never run."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)
         else:
             self.waiting.remove(seq)
         del self._live[seq.seq_id]
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.finished_time = now
+        for ended in (seq, *seq.forks):
+            ended.status = SequenceStatus.FINISHED
+            ended.finish_reason = reason
+            ended.finished_time = now
+        seq.forks = []
 
     def stats(self) -> SchedulerStats:
         queued = sum(s.num_uncomputed_tokens for s in (*self.waiting, *self.running) if s.is_prefill)

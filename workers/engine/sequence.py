@@ -61,6 +61,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Choices 1..n-1 of an n > 1 request, held by choice 0 (this sequence) until its prompt is
+    # prefilled: the scheduler then forks them off it, sharing the prompt's KV, and empties the list.
+    forks: list[Sequence] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,6 +80,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def group_size(self) -> int:
+        """Sequences this one brings into the running batch: itself and the forks it still holds."""
+        return 1 + len(self.forks)
 
     @property
     def is_prefill(self) -> bool:

@@ -7,8 +7,9 @@ Time passes through a clock object, so one runner serves both uses:
   fleet as fast as the scheduler code allows and reads each replica's time from its clock.
 
 Tokens are a hash of (seed, seq_id, num_generated): the same request gets the same output every run,
-whatever else shares its batch, and a prompt never ends early unless an EOS rate is asked for, so a
-trace's max_tokens is its output length.
+whatever else shares its batch (the choices of an n > 1 request, sequences of their own, differ), and
+a prompt never ends early unless an EOS rate is asked for, so a trace's max_tokens is its output
+length.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from workers.engine.batch import ScheduledChunk, StepOutput
+from workers.engine.batch import SampleSlot, ScheduledChunk, StepOutput, sample_slots
 from workers.sim.cost_model import CostModel
 
 _MASK64 = (1 << 64) - 1
@@ -92,7 +93,8 @@ def synthetic_token(
 
 
 class SimRunner:
-    """Executes steps by the cost model: one synthetic token per sampling chunk, the step's time waited.
+    """Executes steps by the cost model: one synthetic token per sample slot (a sampling chunk, then
+    its forks), the step's time waited.
 
     eos_token_ids: ids that never come out except as an asked-for EOS (eos_probability per token,
     the first of them), so that outputs run to max_tokens by default.
@@ -125,8 +127,8 @@ class SimRunner:
         return self.cost.step_time(chunks)
 
     def outputs(self, chunks: Sequence[ScheduledChunk]) -> list[StepOutput]:
-        """One StepOutput per chunk with sample=True, in chunk order, taking no time."""
-        return [self._output(c) for c in chunks if c.sample]
+        """One StepOutput per sample slot, in ModelRunner.execute's order, taking no time."""
+        return [self._output(slot) for slot in sample_slots(chunks)]
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[StepOutput]:
         """ModelRunner.execute's contract; the step's predicted time passes on the clock."""
@@ -135,18 +137,18 @@ class SimRunner:
         self.clock.wait(self.last_step_time)
         return outputs
 
-    def _output(self, chunk: ScheduledChunk) -> StepOutput:
-        sampling = chunk.sampling
+    def _output(self, slot: SampleSlot) -> StepOutput:
+        sampling = slot.sampling
         token = synthetic_token(
             self.seed,
-            chunk.seq_id,
-            chunk.num_generated,
+            slot.seq_id,
+            slot.num_generated,
             self.vocab_size,
             excluded=(*self.eos_token_ids, *sampling.stop_token_ids),
             eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
             eos_probability=self.eos_probability,
         )
         if sampling.logprobs is None:
-            return StepOutput(chunk.seq_id, token)
+            return StepOutput(slot.seq_id, token)
         # The sim is certain of its token; it has no alternatives to offer beyond it.
-        return StepOutput(chunk.seq_id, token, 0.0, [(token, 0.0)][: sampling.logprobs])
+        return StepOutput(slot.seq_id, token, 0.0, [(token, 0.0)][: sampling.logprobs])

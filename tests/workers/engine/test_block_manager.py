@@ -142,6 +142,37 @@ def prefill_and_free(bm: BlockManager, tokens: list[int], seq_id: int = 1) -> Se
     return seq
 
 
+@pytest.mark.parametrize("prompt_len", [8, 10])
+def test_fork_shares_the_full_prompt_blocks_by_reference(prompt_len: int) -> None:
+    bm, events = make_manager(16)
+    tokens = list(range(prompt_len))
+    parent = make_seq(1, tokens)
+    prefill(bm, parent)
+    parent.append_token(500)
+    kids = [make_seq(i, tokens) for i in (2, 3)]
+    used, logged = bm.num_used_blocks, len(events.log)
+    for kid in kids:
+        bm.fork(parent, kid)
+    full = prompt_len // 4
+    for kid in kids:
+        assert kid.block_table == parent.block_table[:full] and kid.num_computed_tokens == full * 4
+        assert kid.block_hashes == block_hashes(tokens, 4, MODEL)[:full]
+    # Nothing copied, nothing registered: only the reference counts of the full blocks moved.
+    assert [bm.ref_count(b) for b in parent.block_table] == [3] * full + [1] * (prompt_len % 4 > 0)
+    assert (bm.num_used_blocks, len(events.log)) == (used, logged)
+    with pytest.raises(ValueError, match="already holds blocks"):
+        bm.fork(parent, kids[0])
+    # A kid writes the prompt's tail and its own first token into a block of its own.
+    kid = kids[0]
+    kid.append_token(600)
+    assert bm.grow(kid, kid.num_tokens)
+    bm.mark_computed(kid, kid.num_tokens - kid.num_computed_tokens)
+    assert kid.block_table[full:] and not set(kid.block_table[full:]) & set(parent.block_table)
+    for seq in (parent, *kids):
+        bm.free(seq)
+    assert bm.num_used_blocks == 0 and bm.cached_hashes() == events.held
+
+
 def test_eviction_is_lru_and_takes_a_prefix_tail_first() -> None:
     bm, events = make_manager(4)
     a_tokens = [1] * 8

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Sequence
 from unittest import mock
 
 import pytest
 
 from tests.workers.conftest import hf_greedy
+from workers.engine.batch import ScheduledChunk, StepOutput
 from workers.engine.engine import Engine, EngineConfig, PromptTooLong
 from workers.engine.llm import LLM, AsyncLLM
+from workers.engine.loader import LoadedModel
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import UnschedulableSequence
 
@@ -88,7 +91,7 @@ def test_shared_prefix_blocks_are_shared_while_running(tiny) -> None:
     a = engine.add_request([*shared, 2, 3], GREEDY)
     b = engine.add_request([*shared, 4, 5], GREEDY)
     engine.step()
-    seq_a, seq_b = engine._sequences[a], engine._sequences[b]
+    seq_a, seq_b = engine._requests[a][0], engine._requests[b][0]
     common = seq_a.block_table[:8]
     assert common == seq_b.block_table[:8]
     assert all(engine.block_manager.ref_count(block) == 2 for block in common)
@@ -106,11 +109,11 @@ def test_abort_mid_generation_frees_blocks(tiny) -> None:
     for _ in range(3):
         engine.step()
     assert engine.block_manager.num_used_blocks > 0
-    out = engine.abort(request)
-    assert out is not None and out.finished and out.finish_reason == "abort"
+    [out] = engine.abort(request)
+    assert out.finished and out.finish_reason == "abort" and (out.request_id, out.index) == (request, 0)
     assert engine.block_manager.num_used_blocks == 0
     assert not engine.has_work()
-    assert engine.abort(request) is None
+    assert engine.abort(request) == []
 
 
 def test_stop_string_truncates_and_finishes(tiny) -> None:
@@ -193,4 +196,129 @@ def test_async_streams_match_offline_and_cancel_aborts(tiny) -> None:
         front.shutdown()
     assert [(c.text, c.token_ids) for c in offline] == streams
     assert left_after == 3
+    assert stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0
+
+
+# -- n > 1: choices forked off one prefill ---------------------------------------------------------
+
+SEEDED = SamplingParams(temperature=1.0, seed=42, max_tokens=10, ignore_eos=True)
+
+
+def run_choices(engine: Engine, prompt: list[int], sampling: SamplingParams, n: int) -> list[list[int]]:
+    """The tokens of each of a request's n choices, checking that each finishes exactly once."""
+    request = engine.add_request(prompt, sampling, n=n)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    finished = [0] * n
+    while engine.has_work():
+        for out in engine.step():
+            assert out.request_id == request and out.prompt_tokens == len(prompt)
+            assert out.completion_tokens == len(tokens[out.index]) + len(out.new_token_ids)
+            tokens[out.index] += out.new_token_ids
+            finished[out.index] += out.finished
+    assert finished == [1] * n
+    assert engine.block_manager.num_used_blocks == 0
+    return tokens
+
+
+def fresh(loaded: LoadedModel) -> Engine:
+    return Engine(loaded, EngineConfig(block_size=4, num_blocks=256))
+
+
+def test_greedy_choices_are_all_the_single_choice_output(tiny) -> None:
+    _, loaded = tiny
+    prompt = prompts(len(loaded.tokenizer), lengths=(18,))[0]
+    [single] = run_choices(fresh(loaded), prompt, GREEDY, n=1)
+    assert run_choices(fresh(loaded), prompt, GREEDY, n=3) == [single] * 3
+
+
+def test_seeded_choices_differ_and_repeat_with_choice_0_as_the_single_choice(tiny) -> None:
+    _, loaded = tiny
+    prompt = prompts(len(loaded.tokenizer), lengths=(18,))[0]
+    [single] = run_choices(fresh(loaded), prompt, SEEDED, n=1)
+    choices = run_choices(fresh(loaded), prompt, SEEDED, n=3)
+    assert choices[0] == single
+    assert len({tuple(c) for c in choices}) == 3
+    # Beside other work, on an engine whose generator has moved on: the same choices.
+    engine = fresh(loaded)
+    run(engine, prompts(len(loaded.tokenizer), lengths=(5, 9)), SamplingParams(max_tokens=4))
+    assert run_choices(engine, prompt, SEEDED, n=3) == choices
+    unseeded = run_choices(fresh(loaded), prompt, SamplingParams(max_tokens=10, ignore_eos=True), n=3)
+    assert len({tuple(c) for c in unseeded}) == 3
+
+
+@pytest.mark.parametrize("prompt_len", [28, 30])
+def test_the_prompt_is_prefilled_once_for_all_choices(tiny, prompt_len: int) -> None:
+    _, loaded = tiny
+    engine = fresh(loaded)
+    execute = engine.runner.execute
+    prompt_positions = 0
+
+    def counting(chunks: Sequence[ScheduledChunk]) -> list[StepOutput]:
+        nonlocal prompt_positions
+        for c in chunks:
+            prompt_positions += max(0, min(prompt_len, c.start_pos + len(c.token_ids)) - c.start_pos)
+        return execute(chunks)
+
+    engine.runner.execute = counting  # type: ignore[method-assign]
+    n = 4
+    run_choices(engine, prompts(len(loaded.tokenizer), lengths=(prompt_len,))[0], GREEDY, n=n)
+    # Once, plus each fork's recomputed tail of the prompt's partial last block (none when it is full).
+    assert prompt_positions == prompt_len + (n - 1) * (prompt_len % 4)
+
+
+def test_abort_ends_every_choice_before_and_after_the_fork(tiny) -> None:
+    _, loaded = tiny
+    engine = Engine(loaded, EngineConfig(block_size=4, num_blocks=64, max_prefill_chunk=8))
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    before = engine.add_request(list(range(30)), long, n=3)
+    engine.step()
+    assert engine.block_manager.num_used_blocks == 2
+    outs = engine.abort(before)
+    assert [(o.request_id, o.index, o.finish_reason, o.new_token_ids) for o in outs] == [
+        (before, i, "abort", []) for i in range(3)
+    ]
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_work()
+    after = engine.add_request(list(range(30)), long, n=3)
+    while not engine.step():  # until the step that samples the first tokens and forks
+        pass
+    assert len(engine.scheduler.running) == 3
+    assert {o.index for o in engine.abort(after)} == {0, 1, 2}
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_work()
+    assert engine.abort(after) == []
+
+
+def test_async_streams_every_choice_and_leaving_early_aborts_them_all(tiny) -> None:
+    _, loaded = tiny
+    prompt = prompts(len(loaded.tokenizer), lengths=(18,))[0]
+    expected = run_choices(fresh(loaded), prompt, SEEDED, n=3)
+    engine = fresh(loaded)
+    front = AsyncLLM(engine)
+
+    async def collect() -> list[list[int]]:
+        tokens: list[list[int]] = [[], [], []]
+        async for out in front.generate(prompt, SEEDED, n=3):
+            tokens[out.index] += out.new_token_ids
+        return tokens
+
+    async def leave_early() -> None:
+        stream = front.generate(list(range(60)), SamplingParams(max_tokens=200, ignore_eos=True), n=3)
+        async for out in stream:
+            if out.index == 2:
+                break
+        await stream.aclose()
+
+    async def main() -> tuple[list[list[int]], object]:
+        tokens, _ = await asyncio.gather(collect(), leave_early())
+        for _ in range(100):
+            stats = await front.stats()
+            if stats.running == 0 and stats.waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        return tokens, stats
+
+    try:
+        tokens, stats = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert tokens == expected
     assert stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0

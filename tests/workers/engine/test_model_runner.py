@@ -100,6 +100,20 @@ def test_logprobs_and_seeds_reach_the_outputs(model: LlamaForCausalLM) -> None:
     assert first.top_logprobs is not None and len(first.top_logprobs) == 3
 
 
+def test_forks_sample_from_their_parents_row_with_their_own_params(model: LlamaForCausalLM) -> None:
+    runner = ModelRunner(model, num_blocks=16, block_size=4)
+    seeded = [SamplingParams(temperature=1.0, seed=seed, logprobs=2) for seed in (11, 12)]
+    parent = chunk(1, [1, 2, 3, 4, 5], 0, [0, 1], forks=((2, seeded[0]), (3, GREEDY), (4, seeded[1])))
+    out = runner.execute([chunk(9, [7, 8], 0, [2]), parent, chunk(5, [9], 0, [3])])
+    assert [o.seq_id for o in out] == [9, 1, 2, 3, 4, 5]
+    # Each fork's token is what its own params draw from the parent's last position, run alone.
+    for o, params in zip(out[2:5], [seeded[0], GREEDY, seeded[1]], strict=True):
+        alone = runner.execute([chunk(o.seq_id, [1, 2, 3, 4, 5], 0, [4, 5], sampling=params)])[0]
+        assert (o.seq_id, o.token_id) == (alone.seq_id, alone.token_id)
+        assert o.logprob == pytest.approx(alone.logprob, abs=1e-4)
+    assert out[3].token_id == out[1].token_id, "greedy fork and greedy parent agree"
+
+
 def test_refusals(model: LlamaForCausalLM) -> None:
     runner = ModelRunner(model, num_blocks=40, block_size=2)
     with pytest.raises(ValueError, match="64-token context"):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -26,9 +27,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from protocol.prompts import chat_prompt_ids
 from tests.workers.conftest import hf_greedy
 from workers.engine.batch import ScheduledChunk
-from workers.engine.loader import LoadedModel, load_default_model, load_weights
+from workers.engine.loader import LoadedModel, load_model, load_weights
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampling_params import SamplingParams
 
@@ -248,12 +250,13 @@ SMOL_NEW_TOKENS = 16
 def smollm2() -> LoadedModel:
     """Converted from the GGUF once per cache root (the first time takes about half a minute)."""
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    return load_default_model()
+    return load_model(None)
 
 
 @pytest.fixture(scope="module")
 def smol_reference(smollm2: LoadedModel) -> tuple[list[list[int]], list[list[int]]]:
-    tok = smollm2.tokenizer
+    """The prompts as transformers templates them, and HF's greedy continuations of them."""
+    tok = AutoTokenizer.from_pretrained(str(smollm2.path), local_files_only=True)
     prompts = [
         list(
             tok.apply_chat_template(
@@ -271,8 +274,17 @@ def smol_reference(smollm2: LoadedModel) -> tuple[list[list[int]], list[list[int
 def test_smollm2_default_model_shape(smollm2: LoadedModel) -> None:
     assert smollm2.name == "SmolLM2-135M-Instruct"
     assert smollm2.config.max_context_len == 8192
-    assert smollm2.tokenizer.convert_ids_to_tokens(list(smollm2.config.eos_token_ids)) == ["<|im_end|>"]
-    assert "<|im_start|>" in smollm2.tokenizer.chat_template
+    assert [smollm2.tokenizer.backend.id_to_token(i) for i in smollm2.config.eos_token_ids] == ["<|im_end|>"]
+    assert "<|im_start|>" in (smollm2.tokenizer.chat_template or "")
+
+
+def test_smollm2_prompts_are_hfs(
+    smollm2: LoadedModel, smol_reference: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    """The engine's own tokenizer (protocol.tokenizer) templates the prompts to the reference's ids."""
+    prompts, _ = smol_reference
+    ours = [chat_prompt_ids(smollm2.tokenizer, [{"role": "user", "content": m}]) for m in SMOL_MESSAGES]
+    assert ours == prompts
     # Tied embeddings: one tensor, not a stale copy that loading left behind.
     assert smollm2.model.lm_head.weight is smollm2.model.model.embed_tokens.weight
     assert smollm2.model.model.embed_tokens.weight.dtype == torch.float32

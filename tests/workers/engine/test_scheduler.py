@@ -1,4 +1,5 @@
-"""Continuous batching: budgets, chunked prefill, FCFS, preemption, aborts, stop conditions, no leaks."""
+"""Continuous batching: budgets, chunked prefill, FCFS, preemption, aborts, stop conditions, n > 1
+choices forked off one prefill, no leaks."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class FakeRunner:
     real runner relies on: the chunk is the next run of the sequence's tokens, the block table
     covers it, and every earlier position already holds the right token in the block the table
     names (so a wrong prefix reuse or a lost block after preemption is caught). Its tokens are
-    deterministic, so the output is known whatever preemption and chunking happened."""
+    deterministic, so the output is known whatever preemption and chunking happened. A fork samples
+    its first token at its parent's chunk, as the model runner does."""
 
     def __init__(self, block_size: int, token: Callable[[int, int], int] = default_token) -> None:
         self.block_size = block_size
@@ -55,7 +57,8 @@ class FakeRunner:
             for pos in range(chunk.start_pos, end):
                 self.kv.setdefault(chunk.block_table[pos // bs], [None] * bs)[pos % bs] = tokens[pos]
             if chunk.sample:
-                outputs.append(StepOutput(chunk.seq_id, self.token(chunk.seq_id, chunk.num_generated)))
+                for seq_id in (chunk.seq_id, *(fork_id for fork_id, _ in chunk.forks)):
+                    outputs.append(StepOutput(seq_id, self.token(seq_id, chunk.num_generated)))
         return outputs
 
 
@@ -78,11 +81,22 @@ class Engine:
         self.now = 0.0
         self.trace: list[list[ScheduledChunk]] = []
 
-    def submit(self, seq_id: int, prompt: list[int], max_tokens: int, **sampling: Any) -> Sequence:
+    def submit(
+        self,
+        seq_id: int,
+        prompt: list[int],
+        max_tokens: int,
+        *,
+        fork_ids: tuple[int, ...] = (),
+        **sampling: Any,
+    ) -> Sequence:
+        """Queue a request; `fork_ids` are the sequence ids of its choices 1..n-1 (held as its forks)."""
         params = SamplingParams(max_tokens=max_tokens, **sampling)
         seq = Sequence(seq_id, list(prompt), params, arrival_time=self.now)
+        seq.forks = [Sequence(i, list(prompt), params, arrival_time=self.now) for i in fork_ids]
         self.sched.add(seq)
-        self.runner.prompts[seq_id] = list(prompt)
+        for member in (seq, *seq.forks):
+            self.runner.prompts[member.seq_id] = list(prompt)
         return seq
 
     def step(self) -> tuple[list[ScheduledChunk], list[Sequence]]:
@@ -380,6 +394,172 @@ def test_stats_for_the_load_endpoint() -> None:
     assert eng.sched.stats().queued_prefill_tokens == 50
 
 
+# -- n > 1: choices forked off one prefill ---------------------------------------------------------
+
+
+def assert_outputs_as_expected(eng: Engine, *seqs: Sequence) -> None:
+    for seq in seqs:
+        assert seq.finish_reason == "length"
+        expected = eng.runner.expected(seq.seq_id, seq.sampling.max_tokens)[seq.num_prompt_tokens :]
+        assert seq.output_token_ids == expected, seq.seq_id
+
+
+@pytest.mark.parametrize("prompt_len", [16, 18])
+def test_forks_share_the_prompts_full_blocks_and_recompute_only_its_tail(prompt_len: int) -> None:
+    eng = Engine(block_size=4)
+    parent = eng.submit(1, prompt(0, prompt_len), max_tokens=5, fork_ids=(2, 3))
+    kids = list(parent.forks)
+    assert eng.sched.stats().waiting == 1, "only choice 0 queues"
+    (chunk,), changed = eng.step()
+    # One prefill of the prompt; the choices' first tokens come from its last position.
+    assert (chunk.seq_id, len(chunk.token_ids), chunk.sample) == (1, prompt_len, True)
+    assert chunk.forks == ((2, kids[0].sampling), (3, kids[1].sampling))
+    assert changed == [parent, *kids] and parent.forks == []
+    full = prompt_len // 4
+    shared = parent.block_table[:full]
+    for kid in kids:
+        assert kid.block_table == shared and kid.num_computed_tokens == full * 4
+        assert kid.output_token_ids == [eng.runner.token(kid.seq_id, 0)]
+        assert kid.num_cached_tokens == parent.num_cached_tokens
+    assert [eng.bm.ref_count(b) for b in parent.block_table] == [3] * full + [1] * (prompt_len % 4 > 0)
+    assert len(eng.sched.running) == 3
+    chunks, _ = eng.step()
+    tail = prompt_len - full * 4
+    # A kid runs the prompt's tail (not shared: its own tokens follow it) with its first token; with
+    # no tail that is a plain decode.
+    assert tokens_of(chunks) == {1: 1, 2: tail + 1, 3: tail + 1}
+    assert all(c.start_pos == full * 4 and c.sample and not c.forks for c in chunks if c.seq_id != 1)
+    eng.run()
+    assert_outputs_as_expected(eng, parent, *kids)
+    eng.assert_all_free()
+
+
+def test_a_choice_that_stops_at_its_first_token_still_frees_its_share() -> None:
+    eng = Engine(block_size=4)
+    eng.runner.token = lambda seq_id, index: EOS if seq_id == 2 else 1000 + index
+    parent = eng.submit(1, prompt(0, 10), max_tokens=1, fork_ids=(2, 3))
+    kids = list(parent.forks)
+    _, changed = eng.step()
+    assert changed == [parent, *kids] and all(s.is_finished for s in changed)
+    assert [s.finish_reason for s in changed] == ["length", "stop", "length"]
+    eng.assert_all_free()
+
+
+def test_forks_take_their_seats_in_the_batch_from_admission() -> None:
+    eng = Engine(block_size=4, max_num_seqs=4, max_prefill_chunk=4)
+    group = eng.submit(1, prompt(0, 12), max_tokens=3, fork_ids=(2, 3))
+    kids = list(group.forks)
+    late = eng.submit(4, prompt(100, 4), max_tokens=10)
+    later = eng.submit(5, prompt(200, 4), max_tokens=3)
+    # The group holds 3 of the 4 seats while its prompt is prefilled in chunks: one more joins.
+    assert tokens_of(eng.step()[0]) == {1: 4, 4: 4}
+    assert list(eng.sched.waiting) == [later] and len(eng.sched.running) == 2
+    while group.num_output_tokens == 0:
+        eng.step()
+    assert len(eng.sched.running) == 4 and list(eng.sched.waiting) == [later]
+    eng.run()
+    assert_outputs_as_expected(eng, group, *kids, late, later)
+    eng.assert_all_free()
+
+
+def test_a_group_waits_until_all_its_choices_fit_the_batch() -> None:
+    eng = Engine(max_num_seqs=3)
+    alone = eng.submit(1, prompt(0, 8), max_tokens=4)
+    group = eng.submit(2, prompt(100, 8), max_tokens=4, fork_ids=(3, 4))
+    assert tokens_of(eng.step()[0]) == {1: 8}
+    while not alone.is_finished:
+        assert group.status is SequenceStatus.WAITING
+        eng.step()
+    eng.run()
+    assert_outputs_as_expected(eng, alone, group)
+    eng.assert_all_free()
+
+
+def test_a_group_that_could_never_fit_is_rejected_at_add() -> None:
+    eng = Engine(num_blocks=8, block_size=4, max_num_seqs=4)
+    # 4 shared prompt blocks + 4 choices x 2 blocks of their own (4 + 6 - 1 tokens need 5 blocks).
+    with pytest.raises(UnschedulableSequence, match="n=4 choices needs 12 KV blocks"):
+        eng.submit(1, prompt(0, 16), max_tokens=6, fork_ids=(2, 3, 4))
+    with pytest.raises(UnschedulableSequence, match="n=5 choices run as 5 sequences"):
+        eng.submit(1, prompt(0, 4), max_tokens=1, fork_ids=(2, 3, 4, 5))
+    with pytest.raises(ValueError, match="one sequence id each"):
+        eng.submit(1, prompt(0, 4), max_tokens=1, fork_ids=(1,))
+    assert not eng.sched.has_work()
+    # 4 + 4 x 1 blocks: the whole pool, run without a preemption.
+    group = eng.submit(1, prompt(0, 16), max_tokens=5, fork_ids=(2, 3, 4))
+    kids = list(group.forks)
+    eng.run()
+    assert_outputs_as_expected(eng, group, *kids)
+    assert all(s.num_preemptions == 0 for s in (group, *kids))
+    eng.assert_all_free()
+
+
+def test_a_preempted_choice_is_readmitted_on_the_cached_prompt_blocks() -> None:
+    eng = Engine(num_blocks=10, block_size=4)
+    other = eng.submit(1, prompt(500, 4), max_tokens=20)
+    group = eng.submit(2, prompt(0, 8), max_tokens=12, fork_ids=(3,))
+    (kid,) = group.forks
+    while kid.num_output_tokens == 0:
+        eng.step()
+    shared = group.block_table[:2]
+    while kid.num_preemptions == 0:
+        eng.step()
+    # The latest to join the batch (the kid, at its fork) gives way first.
+    assert (other.num_preemptions, group.num_preemptions) == (0, 0)
+    assert kid.status is SequenceStatus.WAITING and kid.block_table == []
+    generated = kid.num_output_tokens
+    while kid.status is SequenceStatus.WAITING:
+        chunks, _ = eng.step()
+    (readmit,) = (c for c in chunks if c.seq_id == kid.seq_id)
+    # Prompt + output recomputed from past the prompt's two full blocks, which it shares again.
+    assert readmit.start_pos >= 8 and kid.block_table[:2] == shared
+    assert readmit.num_generated == generated
+    eng.run()
+    assert_outputs_as_expected(eng, other, group, kid)
+    eng.assert_all_free()
+
+
+def test_a_parent_preempted_before_its_fork_keeps_its_forks() -> None:
+    eng = Engine(num_blocks=7, block_size=4, max_prefill_chunk=2)
+    other = eng.submit(1, prompt(500, 4), max_tokens=24)
+    while other.num_computed_tokens < 15:
+        eng.step()
+    group = eng.submit(2, prompt(0, 12), max_tokens=1, fork_ids=(3,))
+    (kid,) = group.forks
+    while group.num_preemptions == 0:
+        assert group.num_output_tokens == 0, "the pool was meant to run out during the prefill"
+        eng.step()
+    assert group.status is SequenceStatus.WAITING and group.forks == [kid]
+    assert (
+        kid.status is SequenceStatus.WAITING and kid.block_table == [] and kid.seq_id not in eng.sched._live
+    )
+    eng.run()
+    assert kid.num_preemptions == 0 and kid.first_scheduled_time == group.first_scheduled_time
+    assert_outputs_as_expected(eng, other, group, kid)
+    eng.assert_all_free()
+
+
+def test_aborting_a_group_before_and_after_its_fork_frees_everything() -> None:
+    eng = Engine(max_prefill_chunk=16)
+    group = eng.submit(1, prompt(0, 40), max_tokens=8, fork_ids=(2, 3))
+    kids = list(group.forks)
+    eng.step()
+    assert eng.bm.num_used_blocks == 1
+    # Mid-prefill: the forks were never made, and end with their parent.
+    assert eng.sched.abort(1, eng.now) is group
+    assert all(s.finish_reason == "abort" and s.finished_time == eng.now for s in (group, *kids))
+    assert eng.sched.abort(2, eng.now) is None
+    eng.assert_all_free()
+    group = eng.submit(4, prompt(0, 40), max_tokens=8, fork_ids=(5, 6))
+    kids = list(group.forks)
+    while group.num_output_tokens < 2:
+        eng.step()
+    assert eng.bm.num_used_blocks > 0
+    for seq in (group, *kids):
+        assert eng.sched.abort(seq.seq_id, eng.now) is seq and seq.finish_reason == "abort"
+    eng.assert_all_free()
+
+
 workload = st.fixed_dictionaries(
     {
         # KV blocks beyond what the largest request needs alone: small, to force preemption; below 0,
@@ -397,6 +577,7 @@ workload = st.fixed_dictionaries(
                 st.integers(0, 16),  # tokens taken from the family prefix
                 st.lists(st.integers(0, 3), max_size=8),  # own tail
                 st.integers(1, 16),  # max_tokens
+                st.integers(1, 3),  # n: choices forked off the one prefill
             ),
             min_size=1,
             max_size=12,
@@ -407,12 +588,22 @@ workload = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=120, deadline=None)
+def group_blocks(prompt_len: int, max_tokens: int, n: int, bs: int) -> int:
+    """KV blocks n choices need at once: the prompt's full blocks shared, the rest each their own."""
+    shared = prompt_len // bs
+    return shared + n * (-(-(prompt_len + max_tokens - 1) // bs) - shared)
+
+
+def fork_ids(index: int, n: int) -> tuple[int, ...]:
+    return tuple(100 + 10 * index + j for j in range(1, n))
+
+
+@settings(max_examples=150, deadline=None)
 @given(workload)
 def test_random_workloads_finish_exactly_and_leak_nothing(w: dict) -> None:
     bs = w["block_size"]
     largest = max(
-        -(-(head + len(tail) + max_tokens - 1) // bs) for _, _, head, tail, max_tokens in w["arrivals"]
+        group_blocks(head + len(tail), max_tokens, n, bs) for _, _, head, tail, max_tokens, n in w["arrivals"]
     )
     num_blocks = max(1, largest + w["pool_slack"])
     eng = Engine(
@@ -430,28 +621,37 @@ def test_random_workloads_finish_exactly_and_leak_nothing(w: dict) -> None:
     for index, delay, after_schedule in w["aborts"]:
         index %= len(w["arrivals"])
         aborts_at.setdefault(w["arrivals"][index][0] + delay, []).append((index, after_schedule))
-    seqs: dict[int, Sequence] = {}
+    # Arrival index -> the request's choices (choice 0's seq_id is the index).
+    groups: dict[int, list[Sequence]] = {}
     aborted: set[int] = set()
 
     def abort(indexes: list[int]) -> None:
+        """As the engine aborts a request: every choice (forks not made yet end with choice 0)."""
         for index in indexes:
-            if index in seqs and eng.sched.abort(index, eng.now) is not None:
-                aborted.add(index)
+            for seq in groups.get(index, []):
+                if eng.sched.abort(seq.seq_id, eng.now) is not None:
+                    aborted.add(index)
 
     last_arrival = max(at for at, *_ in w["arrivals"])
     step = 0
     while step <= last_arrival or eng.sched.has_work():
         assert step < 3000, "the scheduler did not drain its work"
         for index in by_step.get(step, []):
-            _, family, head, tail, max_tokens = w["arrivals"][index]
+            _, family, head, tail, max_tokens, n = w["arrivals"][index]
             tokens = [100 * (family + 1) + i for i in range(head)] + tail
             peak = len(tokens) + max_tokens - 1
-            fits = bool(tokens) and -(-peak // bs) <= num_blocks and (w["chunked"] or peak <= w["budget"])
+            fits = (
+                bool(tokens)
+                and n <= w["max_num_seqs"]
+                and group_blocks(len(tokens), max_tokens, n, bs) <= num_blocks
+                and (w["chunked"] or peak <= w["budget"])
+            )
             if fits:
-                seqs[index] = eng.submit(index, tokens, max_tokens)
+                parent = eng.submit(index, tokens, max_tokens, fork_ids=fork_ids(index, n))
+                groups[index] = [parent, *parent.forks]
             else:
                 with pytest.raises(UnschedulableSequence):
-                    eng.submit(index, tokens, max_tokens)
+                    eng.submit(index, tokens, max_tokens, fork_ids=fork_ids(index, n))
         abort([i for i, after_schedule in aborts_at.get(step, []) if not after_schedule])
         eng.now += 1.0
         chunks = eng.sched.schedule(eng.now)
@@ -461,14 +661,15 @@ def test_random_workloads_finish_exactly_and_leak_nothing(w: dict) -> None:
         eng.sched.update(chunks, outputs, eng.now)
         assert eng.held == eng.bm.cached_hashes()
         step += 1
-    for index, seq in seqs.items():
-        assert seq.is_finished
-        if index in aborted:
-            assert seq.finish_reason == "abort"
-        else:
-            assert seq.finish_reason == "length"
-            assert (
-                seq.output_token_ids
-                == eng.runner.expected(index, seq.sampling.max_tokens)[seq.num_prompt_tokens :]
-            )
+    for index, group in groups.items():
+        for seq in group:
+            assert seq.is_finished
+            if seq.finish_reason == "abort":
+                assert index in aborted
+            else:
+                assert seq.finish_reason == "length"
+                assert (
+                    seq.output_token_ids
+                    == eng.runner.expected(seq.seq_id, seq.sampling.max_tokens)[seq.num_prompt_tokens :]
+                )
     eng.assert_all_free()

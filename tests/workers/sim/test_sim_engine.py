@@ -73,12 +73,13 @@ def test_virtual_time_runs_a_large_workload_in_little_wall_time() -> None:
         )
     outputs = drain(engine)
     wall = time.perf_counter() - start
-    assert wall < 5.0
     assert len(outputs) == n
     assert all(d[-1].completion_tokens == max_tokens for d in outputs.values())
     assert engine.block_manager.num_used_blocks == 0
     # 1.6M prompt tokens at the profile's ~30k tokens/s of prefill, plus decodes: about a minute.
     assert 40 < engine.clock.now() < 120
+    # Simulated time runs far ahead of the wall clock (about 80x on a 2-core VM: the bound leaves room).
+    assert engine.clock.now() > 4 * wall
 
 
 def test_a_repeated_prompt_reports_its_cached_blocks() -> None:
@@ -90,6 +91,19 @@ def test_a_repeated_prompt_reports_its_cached_blocks() -> None:
     warm = drain(engine)[second][-1]
     assert cold.cached_tokens == 0
     assert warm.cached_tokens == 48  # three full blocks of 16; the partial fourth is recomputed
+
+
+def test_n_choices_run_as_sequences_of_their_own_off_one_prefill() -> None:
+    engine = SimEngine(SMALL, clock=VirtualClock())
+    request = engine.add_request(list(range(100, 150)), SamplingParams(max_tokens=6), n=3)
+    deltas = drain(engine)[request]
+    tokens: dict[int, list[int]] = {}
+    for d in deltas:
+        tokens.setdefault(d.index, []).extend(d.new_token_ids)
+    assert sorted(tokens) == [0, 1, 2] and all(len(t) == 6 for t in tokens.values())
+    assert len({tuple(t) for t in tokens.values()}) == 3
+    assert [d.index for d in deltas if d.finished] == [0, 1, 2]
+    assert engine.block_manager.num_used_blocks == 0
 
 
 def tiny_loaded(name: str) -> LoadedModel:
@@ -201,10 +215,10 @@ def test_limits_and_abort() -> None:
     request_id = engine.add_request(list(range(200)), SamplingParams(max_tokens=50))
     engine.step()
     assert engine.block_manager.num_used_blocks > 0
-    aborted = engine.abort(request_id)
-    assert aborted is not None and aborted.finish_reason == "abort" and aborted.new_token_ids == []
+    [aborted] = engine.abort(request_id)
+    assert aborted.finish_reason == "abort" and aborted.new_token_ids == []
     assert engine.block_manager.num_used_blocks == 0
-    assert engine.abort(request_id) is None
+    assert engine.abort(request_id) == []
     assert not engine.has_work()
     assert (
         engine.tokenizer is None and engine.max_context_len == 1024 and engine.model_name == SMALL.model_name

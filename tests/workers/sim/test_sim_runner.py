@@ -35,6 +35,15 @@ def test_one_token_per_sampling_chunk_in_chunk_order() -> None:
     assert runner().execute([chunk(3, 0, 64, False)]) == []
 
 
+def test_forks_sample_right_after_their_chunk_as_sequences_of_their_own() -> None:
+    forks = ((5, SamplingParams()), (6, SamplingParams(logprobs=1)))
+    forked = ScheduledChunk(1, [7] * 12, 0, [], True, SamplingParams(), 0, forks=forks)
+    outputs = runner().execute([chunk(3, 0, 4, True), forked, chunk(4, 0, 1, True)])
+    assert [o.seq_id for o in outputs] == [3, 1, 5, 6, 4]
+    assert outputs[2] == runner().execute([chunk(5, 0, 12, True)])[0]
+    assert (outputs[3].logprob, outputs[3].top_logprobs) == (0.0, [(outputs[3].token_id, 0.0)])
+
+
 def test_tokens_depend_on_the_sequence_and_its_progress_only() -> None:
     a = runner().execute([chunk(1, 40, 1, True, 5)])
     b = runner().execute([chunk(8, 0, 12, True), chunk(1, 40, 1, True, 5)])[1:]

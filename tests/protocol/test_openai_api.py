@@ -1,26 +1,16 @@
-"""Request validation and response shaping, without a server: every refusal is a 4xx ApiError with
-OpenAI's error fields, every accepted body maps to the engine's parameters as documented."""
+"""Request validation, without a server: every refusal is a 4xx ApiError with OpenAI's error fields,
+every accepted body maps to the engine's parameters as documented (response shapes:
+test_openai_responses.py)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 
-from workers.openai_api import (
-    ApiError,
-    GenerationRequest,
-    ResponseShaper,
-    ServedModel,
-    parse_chat,
-    parse_completion,
-    parse_json,
-    prompt_token_ids,
-    sampling_params,
-    sse,
-    usage_json,
-)
+from protocol.errors import ApiError
+from protocol.openai_api import GenerationRequest, ServedModel, parse_chat, parse_completion, parse_json
+from workers.openai_sampling import sampling_params
 
 MODEL = ServedModel(name="m", vocab_size=100, max_context_len=64, kv_capacity_tokens=48)
 
@@ -61,7 +51,7 @@ def refused(parse: Any, body: Any) -> ApiError:
         ({"prompt": "x", "top_p": 1.01}, "top_p"),
         ({"prompt": "x", "top_k": -2}, "top_k"),
         ({"prompt": "x", "seed": 2**64}, "seed"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 65}, "n"),
         ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "stop": 3}, "stop"),
         ({"prompt": "x", "stop": ["a", ""]}, "stop"),
@@ -176,7 +166,7 @@ def test_attached_token_ids_win_over_the_prompt() -> None:
     req = parse_completion({"prompt": [1, 2], "prefixgate_token_ids": [7, 8, 9]}, MODEL)
     assert req.token_ids == (7, 8, 9)
     req = parse_chat({"messages": [{"role": "user", "content": "hi"}], "prefixgate_token_ids": [4]}, MODEL)
-    assert prompt_token_ids(req, tokenizer=None) == [4]  # type: ignore[arg-type]
+    assert req.token_ids == (4,)
     assert parse_completion({"prefixgate_token_ids": [5]}, MODEL).token_ids == (5,)
 
 
@@ -198,127 +188,6 @@ def test_default_max_tokens() -> None:
     assert sampling_params(completion, 60, roomy).max_tokens == 4, "never past the context window"
     chat = parse_chat({"messages": [{"role": "user", "content": "x"}]}, MODEL)
     assert sampling_params(chat, 10, MODEL).max_tokens == 38, "chat: all that the KV pool can hold"
-
-
-class FakeTokenizer:
-    def __init__(self) -> None:
-        self.rendered: list[dict[str, str]] = []
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        assert not add_special_tokens
-        return [ord(c) for c in text]
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return "".join(chr(t) for t in token_ids)
-
-    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> str:
-        assert kwargs == {"add_generation_prompt": True, "tokenize": False}
-        self.rendered = conversation
-        return "|".join(f"{m['role']}:{m['content']}" for m in conversation) + "|assistant:"
-
-
-def test_chat_messages_are_normalised_and_templated() -> None:
-    req = parse_chat(
-        {
-            "messages": [
-                {"role": "developer", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-            ]
-        },
-        MODEL,
-    )
-    tokenizer = FakeTokenizer()
-    ids = prompt_token_ids(req, tokenizer)
-    assert tokenizer.rendered == [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "a\nb"},
-    ]
-    assert tokenizer.decode(ids) == "system:be brief|user:a\nb|assistant:"
-    assert prompt_token_ids(parse_completion({"prompt": "hey"}, MODEL), tokenizer) == [104, 101, 121]
-
-
-def test_a_template_that_refuses_the_messages_is_400() -> None:
-    class Strict(FakeTokenizer):
-        def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> str:
-            from jinja2 import TemplateError
-
-            raise TemplateError("roles must alternate")
-
-    req = parse_chat({"messages": [{"role": "user", "content": "x"}]}, MODEL)
-    with pytest.raises(ApiError) as info:
-        prompt_token_ids(req, Strict())
-    assert info.value.status == 400 and "alternate" in info.value.message
-
-
-def shaper(chat: bool, include_usage: bool = False) -> ResponseShaper:
-    return ResponseShaper(chat=chat, model="m", created=123, decode_token=chr, include_usage=include_usage)
-
-
-def test_completion_shapes() -> None:
-    s = shaper(chat=False)
-    usage = usage_json(5, 2, 4)
-    assert usage == {
-        "prompt_tokens": 5,
-        "completion_tokens": 2,
-        "total_tokens": 7,
-        "prompt_tokens_details": {"cached_tokens": 4},
-    }
-    body = s.response("hi", "length", usage, [(104, -0.5, [(104, -0.5), (120, -1.0)]), (105, -0.25, [])])
-    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
-    assert (body["created"], body["model"], body["usage"]) == (123, "m", usage)
-    assert body["choices"] == [
-        {
-            "index": 0,
-            "text": "hi",
-            "logprobs": {
-                "tokens": ["h", "i"],
-                "token_logprobs": [-0.5, -0.25],
-                "top_logprobs": [{"h": -0.5, "x": -1.0}, {}],
-                "text_offset": [0, 1],
-            },
-            "finish_reason": "length",
-        }
-    ]
-    chunk = s.chunk("j", None, [(106, -0.1, None)])
-    assert chunk["id"] == body["id"] and chunk["choices"][0]["logprobs"]["text_offset"] == [2]
-    assert "usage" not in chunk
-
-
-def test_chat_shapes() -> None:
-    s = shaper(chat=True, include_usage=True)
-    body = s.response("ok", "stop", usage_json(1, 1, 0), None)
-    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "ok"}
-    assert body["choices"][0]["logprobs"] is None and body["choices"][0]["finish_reason"] == "stop"
-    opening = s.chunk("", None, role=True)
-    assert opening["object"] == "chat.completion.chunk" and opening["usage"] is None
-    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert s.chunk("x", None)["choices"][0]["delta"] == {"content": "x"}
-    assert s.chunk("", "stop")["choices"][0] == {
-        "index": 0,
-        "delta": {},
-        "logprobs": None,
-        "finish_reason": "stop",
-    }
-    lp = s.chunk("é", None, [(233, -0.3, [(233, -0.3)])])["choices"][0]["logprobs"]
-    assert lp == {
-        "content": [
-            {
-                "token": "é",
-                "logprob": -0.3,
-                "bytes": [195, 169],
-                "top_logprobs": [{"token": "é", "logprob": -0.3, "bytes": [195, 169]}],
-            }
-        ]
-    }
-    last = s.usage_chunk(usage_json(3, 4, 2))
-    assert last["choices"] == [] and last["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
-
-
-def test_sse_framing() -> None:
-    frame = sse({"a": 1})
-    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
-    assert json.loads(frame[6:]) == {"a": 1}
 
 
 def test_generation_request_defaults_match_openai() -> None:

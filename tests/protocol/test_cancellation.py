@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from workers.cancellation import check_cancelled
+from protocol.cancellation import check_cancelled
 
 
 async def _cancel_as_the_send_completes(checked: bool) -> asyncio.Task[None]:

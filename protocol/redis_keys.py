@@ -1,5 +1,5 @@
-"""The Redis key names and value formats that workers write and gateways read (DESIGN §4), in one place
-so that both sides cannot drift apart.
+"""The Redis key names and value formats of the fleet's shared state (DESIGN §4), in one place so that
+the workers that write them and the gateways that read them cannot drift apart.
 
 - `prefixgate:workers` (set): ids of workers that registered. Members never expire, so a reader must
   check that the worker's hash still exists (a crashed worker leaves its id behind).
@@ -18,6 +18,8 @@ so that both sides cannot drift apart.
   fields `gateway` (the writer's id, so it can skip its own), `replica` (a worker id), `expires_at`
   (Unix seconds, a decimal float) and `hashes` (the request's block hashes as a JSON list). Every gateway
   inserts the others' entries into its index with that expiry, so all of them predict the same cache.
+- `prefixgate:response:{id}` (string, expires): written by gateways. The id of the replica that produced
+  the Responses API response `id`, the only one that can continue it (`previous_response_id`).
 """
 
 from __future__ import annotations
@@ -48,3 +50,7 @@ def kv_stream_key(worker_id: str) -> str:
 
 def load_key(worker_id: str) -> str:
     return f"{PREFIX}:load:{worker_id}"
+
+
+def response_key(response_id: str) -> str:
+    return f"{PREFIX}:response:{response_id}"
