@@ -1,30 +1,45 @@
-"""Discrete-event fleet simulator: a trace replayed through the gateway's real index and policies
+"""Discrete-event fleet simulator: a workload replayed through the gateway's real index and policies
 onto simulated replicas that run the real scheduler and block manager under a cost model.
 
 Virtual time: each replica is a SimEngine on its own VirtualClock, stepping whenever it has work;
-the simulator advances whichever comes first, the next arrival or the replica whose current step
-ends soonest. The index is fed either by the replicas' KV events (precise mode) or by the routing
-decisions alone, with a TTL and each replica's capacity (approximate mode).
+the simulator advances whichever comes first, the next due request or the replica whose next step
+starts soonest. A workload is sessions (bench.workloads): a session's later turn becomes due its
+think time after the previous turn's answer ends on the virtual clock, so agent sessions are closed
+loop here as over HTTP; a trace is sessions of one turn. The index is fed either by the replicas'
+KV events (precise mode) or by the routing decisions alone, with a TTL and each replica's capacity
+(approximate mode).
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import multiprocessing
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 from bench.report import bar_panels, format_table, write_json
-from bench.trace import TraceRequest, load_trace, prompt_tokens
+from bench.trace import load_trace, trace_sessions
+from bench.workloads import (
+    AgentParams,
+    GroupedParams,
+    Session,
+    agent_sessions,
+    grouped_sessions,
+    nominal_order,
+    scaled,
+    total_turns,
+)
 from policies import POLICY_NAMES, ReplicaView, RouteRequest, RoutingConfig, build_policy
 from radix import RadixIndex, block_hashes
 from workers.engine.batch import StepOutput, sample_slots
@@ -35,6 +50,9 @@ from workers.sim.profiles import Profile, get_profile
 from workers.sim.runner import VirtualClock
 
 MODES = ("precise", "approximate")
+# The policies that read the index, and so route differently when it is predicted (approximate).
+INDEX_POLICIES = ("prefix_aware", "cache_threshold")
+WORKLOADS = ("agent", "grouped")
 
 
 def nominal_prefill_rate(profile: Profile) -> float:
@@ -77,12 +95,13 @@ class _Replica:
                 "on_cleared": lambda: index.clear(rid),
             }
         self.engine = SimEngine(profile, clock=self.clock, **callbacks)
-        self.arrivals: dict[int, float] = {}
+        # Sequence id -> (arrival time, session, turn) of the requests it holds.
+        self.requests: dict[int, tuple[float, int, int]] = {}
         self.served = 0
 
 
 def simulate(
-    trace: list[TraceRequest],
+    sessions: Sequence[Session],
     routing: RoutingConfig,
     profile: Profile,
     replicas: int,
@@ -103,11 +122,20 @@ def simulate(
     filler = next(t for t in range(profile.vocab_size) if t not in profile.eos_token_ids)
     ttfts: list[float] = []
     cached_total = prompt_total = produced = rejected = 0
-    # Replicas with work, by the end time of their current step.
+    # Replicas with work, by the start time of their next step.
     busy: list[tuple[float, int]] = []
-    pending = iter(trace)
-    nxt = next(pending, None)
+    # Turns due, as (time, tie-break, session, turn): every session's first, later ones as answered.
+    order = itertools.count()
+    due = [(s.start_s, next(order), i, 0) for i, s in enumerate(sessions)]
+    heapq.heapify(due)
     done = on_request_done or (lambda: None)
+
+    def answered(session: int, turn: int, now: float) -> None:
+        """A turn ended (answered or refused): the session's next one is due after its think time."""
+        done()
+        turns = sessions[session].turns
+        if turn + 1 < len(turns):
+            heapq.heappush(due, (now + turns[turn + 1].think_s, next(order), session, turn + 1))
 
     def run_step(r: _Replica) -> None:
         """One engine step on the replica's clock: the SimEngine's scheduler and runner, without the
@@ -123,23 +151,23 @@ def simulate(
         for seq in scheduler.update(chunks, outputs, now):
             produced += 1
             if seq.num_output_tokens == 1:
-                ttfts.append(now - r.arrivals[seq.seq_id])
+                ttfts.append(now - r.requests[seq.seq_id][0])
                 cached_total += seq.num_cached_tokens
             if seq.is_finished:
-                del r.arrivals[seq.seq_id]
-                done()
+                _, session, turn = r.requests.pop(seq.seq_id)
+                answered(session, turn, now)
 
-    while nxt is not None or busy:
-        if busy and (nxt is None or busy[0][0] <= nxt.arrival_s):
+    while due or busy:
+        if busy and (not due or busy[0][0] <= due[0][0]):
             _, i = heapq.heappop(busy)
             r = fleet[i]
             run_step(r)
             if r.engine.has_work():
                 heapq.heappush(busy, (r.clock.now(), i))
             continue
-        request, nxt = nxt, next(pending, None)
-        now = request.arrival_s
-        tokens = prompt_tokens(request, profile.vocab_size)
+        now, _, session, turn = heapq.heappop(due)
+        request = sessions[session].turns[turn]
+        tokens = list(request.prompt)
         hashes = block_hashes(tokens, profile.block_size, profile.model_name)
         if not precise:
             index.expire(now)
@@ -157,25 +185,26 @@ def simulate(
                     queued_prefill_tokens=stats.queued_prefill_tokens,
                     max_waiting=profile.max_num_seqs,
                     prefill_rate=rate,
+                    cached_blocks=index.blocks_of(r.id),
                 )
             )
         route = RouteRequest(
             prompt_tokens=len(tokens),
             prefix_key=hashes[0] if hashes else 0,
-            session=str(request.hash_ids[1] if len(request.hash_ids) > 1 else request.hash_ids[0]),
+            session=sessions[session].key or None,
         )
         chosen = by_id[policy.choose(route, views)[0]]
         idle = not chosen.engine.has_work()
         if idle:
             chosen.clock.advance_to(now)
-        sampling = SamplingParams(temperature=0.0, max_tokens=max(request.output_length, 1), ignore_eos=True)
+        sampling = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
         try:
             rid = chosen.engine.add_request(tokens, sampling)
         except ValueError:
             rejected += 1
-            done()
+            answered(session, turn, now)
             continue
-        chosen.arrivals[rid] = now
+        chosen.requests[rid] = (now, session, turn)
         chosen.served += 1
         prompt_total += len(tokens)
         if not precise and hashes:
@@ -185,34 +214,35 @@ def simulate(
     end = max(r.clock.now() for r in fleet)
     counts = [r.served for r in fleet]
     ordered = sorted(ttfts)
+    first = min((s.start_s for s in sessions), default=0.0)
     return FleetResult(
         hit_rate=cached_total / max(prompt_total, 1),
         ttft_mean_s=statistics.fmean(ttfts) if ttfts else 0.0,
         ttft_p50_s=ordered[len(ordered) // 2] if ordered else 0.0,
         ttft_p99_s=ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else 0.0,
-        throughput_tok_s=produced / max(end - trace[0].arrival_s, 1e-9),
+        throughput_tok_s=produced / max(end - first, 1e-9),
         imbalance=max(counts) / statistics.fmean(counts) if sum(counts) else 1.0,
         completed=len(ttfts),
         rejected=rejected,
     )
 
 
-def pooled_hit_rate(trace: list[TraceRequest], profile: Profile, replicas: int) -> float:
-    """One LRU prefix cache as large as the whole fleet's KV, fed every request: the bound routing chases."""
+def pooled_hit_rate(sessions: Sequence[Session], profile: Profile, replicas: int) -> float:
+    """One LRU prefix cache as large as the whole fleet's KV, fed every request in its nominal order
+    (answers instant): the bound routing chases."""
     index = RadixIndex()
     index.add_replica("pool", capacity_blocks=profile.num_blocks * replicas)
     cached = total = 0
-    for request in trace:
-        hashes = block_hashes(
-            prompt_tokens(request, profile.vocab_size), profile.block_size, profile.model_name
-        )
+    for turn in nominal_order(sessions):
+        tokens = list(turn.prompt)
+        hashes = block_hashes(tokens, profile.block_size, profile.model_name)
         # A request never reuses its own last token's block (the engine computes at least one token).
-        usable = hashes[: (request.input_length - 1) // profile.block_size]
+        usable = hashes[: (len(tokens) - 1) // profile.block_size]
         if usable:
             cached += index.match(usable).get("pool", 0) * profile.block_size
         if hashes:
             index.insert("pool", hashes)
-        total += request.input_length
+        total += len(tokens)
     return cached / max(total, 1)
 
 
@@ -231,20 +261,61 @@ def _count_one() -> None:
         _finished.value += 1
 
 
-def _run_job(
-    trace: list[TraceRequest], policy: str, mode: str, profile: Profile, replicas: int
-) -> FleetResult:
-    return simulate(trace, RoutingConfig(policy=policy), profile, replicas, mode, on_request_done=_count_one)
+def _run_job(sessions: list[Session], policy: str, mode: str, profile: Profile, replicas: int) -> FleetResult:
+    return simulate(
+        sessions, RoutingConfig(policy=policy), profile, replicas, mode, on_request_done=_count_one
+    )
 
 
 def jobs_of(policies: list[str], modes: list[str]) -> list[tuple[str, str]]:
-    """(policy, mode) pairs to simulate: approximate mode changes only what prefix_aware reads."""
-    return [(p, m) for m in modes for p in policies if m == "precise" or p == "prefix_aware"]
+    """(policy, mode) pairs to simulate: approximate mode changes only what the index policies read."""
+    return [(p, m) for m in modes for p in policies if m == "precise" or p in INDEX_POLICIES]
+
+
+def fleet_profile(name: str, block_size: int | None, num_blocks: int | None) -> Profile:
+    """The named profile, with its block size and pool overridden where given (a pool smaller than an
+    H100's is what puts a small workload's caches under pressure)."""
+    profile = get_profile(name)
+    if block_size is not None:
+        profile = replace(profile, block_size=block_size)
+    if num_blocks is not None:
+        profile = replace(profile, kv_capacity_tokens=num_blocks * profile.block_size)
+    return profile
+
+
+def generated_sessions(args: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
+    """`--workload`'s sessions and parameters from the flags both benches share: --seed, --sessions
+    and --duration (agent: the window sessions start in; grouped: prompts due later are left out),
+    --rate (grouped), --limit (sessions) and --speed."""
+    if args.workload == "agent":
+        params: AgentParams | GroupedParams = AgentParams(seed=args.seed)
+        if args.sessions is not None:
+            params = replace(params, sessions=args.sessions)
+        if args.duration is not None:
+            params = replace(params, start_window_s=args.duration)
+        sessions = agent_sessions(params)
+    else:
+        params = GroupedParams(seed=args.seed)
+        if args.rate is not None:
+            params = replace(params, rate=args.rate)
+        sessions = grouped_sessions(params)
+        if args.duration is not None:
+            sessions = [s for s in sessions if s.start_s < args.duration]
+    return scaled(sessions[: args.limit], args.speed), asdict(params)
+
+
+def workload_of(args: argparse.Namespace, profile: Profile) -> tuple[str, list[Session], dict[str, Any]]:
+    """The workload's name, sessions and parameters (none for a trace), a pure function of the flags."""
+    if args.trace is not None:
+        trace = load_trace(args.trace, speed=args.speed, limit=args.limit)
+        return Path(args.trace).name, trace_sessions(trace, profile.vocab_size), {}
+    return args.workload, *generated_sessions(args)
 
 
 def run(args: argparse.Namespace) -> dict:
-    profile = get_profile(args.profile)
-    trace = load_trace(args.trace, speed=args.speed, limit=args.limit)
+    profile = fleet_profile(args.profile, args.block_size, args.num_blocks)
+    workload, sessions, params = workload_of(args, profile)
+    requests = total_turns(sessions)
     jobs = jobs_of(args.policies or list(POLICY_NAMES), args.modes)
     workers = max(1, min(len(jobs), args.workers or os.cpu_count() or 1))
     # Each job is one single-threaded simulation: processes, one per core, run them side by side.
@@ -252,9 +323,9 @@ def run(args: argparse.Namespace) -> dict:
     with ProcessPoolExecutor(
         workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_job, initargs=(counter,)
     ) as pool:
-        futures = {job: pool.submit(_run_job, trace, *job, profile, args.replicas) for job in jobs}
+        futures = {job: pool.submit(_run_job, sessions, *job, profile, args.replicas) for job in jobs}
         desc = f"{len(jobs)} simulations on {workers} processes"
-        with tqdm(total=len(trace) * len(jobs), desc=desc) as bar:
+        with tqdm(total=requests * len(jobs), desc=desc) as bar:
             while not all(f.done() for f in futures.values()):
                 time.sleep(0.5)
                 bar.update(counter.value - bar.n)
@@ -276,11 +347,11 @@ def run(args: argparse.Namespace) -> dict:
                 result.imbalance,
             ]
         )
-    pooled = pooled_hit_rate(trace, profile, args.replicas)
+    pooled = pooled_hit_rate(sessions, profile, args.replicas)
     rows.append(["pooled bound", pooled, "", "", "", "", ""])
     title = (
-        f"fleet simulation: {Path(args.trace).name}, {len(trace)} requests, "
-        f"{args.replicas} x {profile.name}, speed {args.speed}"
+        f"fleet simulation: {workload}, {requests} requests, {args.replicas} x {profile.name} "
+        f"({profile.num_blocks} blocks of {profile.block_size}), speed {args.speed:g}"
     )
     print(
         format_table(
@@ -288,11 +359,16 @@ def run(args: argparse.Namespace) -> dict:
         )
     )
     payload = {
-        "trace": str(args.trace),
-        "requests": len(trace),
+        "workload": workload,
+        "workload_params": params,
+        "trace": args.trace,
+        "requests": requests,
         "replicas": args.replicas,
         "profile": profile.name,
+        "block_size": profile.block_size,
+        "num_blocks": profile.num_blocks,
         "speed": args.speed,
+        "seed": args.seed,
         "policies": results,
         "pooled_bound": {"hit_rate": pooled},
     }
@@ -304,20 +380,46 @@ def run(args: argparse.Namespace) -> dict:
             [
                 ("hit rate", {n: p["hit_rate"] for n, p in results.items()}),
                 ("TTFT mean (s)", {n: p["ttft_mean_s"] for n, p in results.items()}),
+                ("TTFT p50 (s)", {n: p["ttft_p50_s"] for n, p in results.items()}),
                 ("TTFT p99 (s)", {n: p["ttft_p99_s"] for n, p in results.items()}),
                 ("imbalance (max/mean)", {n: p["imbalance"] for n, p in results.items()}),
             ],
-            reference={0: ("pooled bound", pooled), 3: ("balanced", 1.0)},
+            reference={0: ("pooled bound", pooled), 4: ("balanced", 1.0)},
         )
     return payload
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", default=None, help="Mooncake-format JSONL trace")
+    source.add_argument(
+        "--workload", choices=WORKLOADS, default=None, help="generated: agent sessions or grouped prefixes"
+    )
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--profile", default="h100-8b", help="sim profile name or JSON path")
-    parser.add_argument("--speed", type=float, default=1.0)
-    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--block-size", type=int, default=None, help="KV block size (default: the profile's)")
+    parser.add_argument(
+        "--num-blocks", type=int, default=None, help="KV blocks per replica (default: the profile's)"
+    )
+    parser.add_argument("--speed", type=float, default=1.0, help="time compression (2 = twice as fast)")
+    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests (sessions)")
+    parser.add_argument(
+        "--sessions", type=int, default=None, help=f"agent sessions (default {AgentParams().sessions})"
+    )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help=f"grouped prompts per second (default {GroupedParams().rate:g})",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help=f"agent: the window sessions start in (default {AgentParams().start_window_s:g} s); "
+        "grouped: prompts due later are left out",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="of the generated workloads")
     parser.add_argument("--policies", nargs="*", choices=POLICY_NAMES, default=None)
     parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
     parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")

@@ -1,14 +1,20 @@
-"""`prefixgate bench replay`: open-loop load against any OpenAI-compatible endpoint (the gateway, one of
-our workers, vLLM, SGLang), with TTFT, inter-token latency, cache hit rate and the replica spread.
+"""`prefixgate bench replay`: load against any OpenAI-compatible endpoint (the gateway, one of our
+workers, vLLM, SGLang), with TTFT, inter-token latency, cache hit rate and the replica spread.
 
-Open loop: each request leaves at its scheduled time whether or not earlier ones have finished. A
-closed loop (N users waiting on their answers) slows down with the server and so hides the queueing
-that latency under load is about. Prompts are token ids, which both the gateway and the simulated
-workers accept, so no tokenizer runs on either side of the measurement.
+Open loop across sessions: each session starts at its scheduled time whether or not earlier ones
+have finished. A closed loop over all users slows down with the server and so hides the queueing
+that latency under load is about. Within a session (bench.workloads: an agent's turns) the loop is
+closed, as an agent's is: a turn leaves its think time after the previous answer ended. A trace or
+a shared-prefix load is sessions of one request. Prompts are token ids, which both the gateway and
+the simulated workers accept, so no tokenizer runs on either side of the measurement.
 
-With `--sim-fleet N` it brings its own servers: per policy of `--policies`, N fresh simulated
-workers (empty caches) and a gateway with that policy, each its own process (bench.local_fleet), and
-one arrival schedule replayed through each gateway in turn: one row per policy, side by side.
+With `--sim-fleet N` it brings its own servers: per row, N fresh simulated workers (empty caches)
+and a gateway with the row's policy, each its own process (bench.local_fleet), and one workload
+replayed through each gateway, `--parallel` rows at a time (a simulated fleet needs little CPU, and
+rows run together share the machine's noise). The policies that read the index get a row per mode: the
+workers declared as bundled (precise: the gateway follows their KV events) or as foreign OpenAI
+servers (approximate: the gateway predicts their caches from its own routing) with the capacity the
+gateway is told set to a multiple of their true pool, or left for it to learn.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,36 +37,38 @@ from typing import Any
 import aiohttp
 import numpy as np
 import orjson
+import yaml
 from tqdm import tqdm
 
-from bench.local_fleet import SimWorkers, local_fleet
+from bench.fleet import INDEX_POLICIES, WORKLOADS, generated_sessions
+from bench.local_fleet import SimWorkers, cli, free_port, gateway_config, local_fleet, spawn, stop, wait_ready
 from bench.report import bar_panels, format_table, write_json
 from bench.trace import TraceRequest, load_trace, prompt_tokens
+from bench.workloads import TOKEN_HIGH, TOKEN_LOW, AgentParams, GroupedParams, Session, Turn, total_turns
 from gateway.upstream import UpstreamClient, UpstreamError
 from policies import POLICY_NAMES
 
 # The gateway names the replica that served a request here; a worker talked to directly does not.
 REPLICA_HEADER = "x-prefixgate-replica"
 DIRECT = "direct"
-# Generated token ids stay clear of the low ids where tokenizers keep their special tokens (BOS, EOS,
-# chat markers) and below every vocabulary the simulated profiles use.
-TOKEN_LOW, TOKEN_HIGH = 1000, 30000
 PERCENTILES = (50, 90, 99)
-# After the last send, how much longer than one request's timeout the stragglers get: enough that a
-# request sent last meets its own timeout (counted as such) before the drain gives up on it.
+# How much longer than one request's timeout a request may take from when it was due (waiting for a
+# slot included): enough that a request sent late meets its own timeout (counted as such) first.
 DRAIN_GRACE_S = 1.0
 # Fleet mode (--sim-fleet) defaults: the policies compared, and workers whose cache holds only a
 # fraction of the workload's system prompts, the regime in which the replica chosen decides the hit:
 # 768 blocks of 16 tokens are 12k tokens, six of the sixteen 2k-token system prompts. At 40 req/s,
 # at round robin's hit rate, each replica's modelled prefill is about half busy, so hits show in
-# TTFT; 60 s is about 2,400 requests per policy, each policy about 75 s with its start-up.
-FLEET_POLICIES = ("prefix_aware", "round_robin", "least_load")
+# TTFT. Twelve rows (the index policies in five modes each) of 20 s, about 800 requests a row, four
+# at a time, take about two minutes on two cores with their start-ups; the agent workload about four.
+FLEET_POLICIES = ("prefix_aware", "cache_threshold", "least_load", "round_robin")
 FLEET_PROFILE = "h100-8b"
 FLEET_BLOCK_SIZE = 16
 FLEET_NUM_BLOCKS = 768
 FLEET_WORKLOAD = (16, 32, 2048, 128, 32)
 FLEET_RATE = 40.0
-FLEET_DURATION_S = 60.0
+FLEET_DURATION_S = 20.0
+FLEET_PARALLEL = 4
 
 log = logging.getLogger(__name__)
 
@@ -296,10 +304,12 @@ async def _stream_one(
     )
 
 
-def _body(prompt: Prompt, model: str | None) -> tuple[bytes, int]:
+def _body(token_ids: Sequence[int], max_tokens: int, model: str | None, user: str = "") -> tuple[bytes, int]:
+    """A streamed completion of exactly `max_tokens` tokens; `user` names the session, for routers
+    with session affinity (an empty one is left out)."""
     body: dict[str, Any] = {
-        "prompt": list(prompt.token_ids),
-        "max_tokens": prompt.max_tokens,
+        "prompt": list(token_ids),
+        "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
         "temperature": 0,
@@ -307,7 +317,9 @@ def _body(prompt: Prompt, model: str | None) -> tuple[bytes, int]:
     }
     if model is not None:
         body["model"] = model
-    return orjson.dumps(body), len(prompt.token_ids)
+    if user:
+        body["user"] = user
+    return orjson.dumps(body), len(token_ids)
 
 
 def _headers(api_key: str) -> dict[str, str]:
@@ -324,23 +336,33 @@ def _failure_kind(error: BaseException) -> str:
     return "bad_stream"  # ValueError: a data line that is not JSON
 
 
-async def replay(
+async def replay(url: str, arrivals: Sequence[Arrival], **options: Any) -> ReplayResult:
+    """Send every arrival at its time (open loop) and measure each streamed answer; `options` are
+    replay_sessions'."""
+    return await replay_sessions(url, arrival_sessions(arrivals), **options)
+
+
+async def replay_sessions(
     url: str,
-    arrivals: Sequence[Arrival],
+    sessions: Sequence[Session],
     *,
     model: str | None = None,
     api_key: str = "none",
     concurrency_limit: int = 512,
     timeout_s: float = 120.0,
     progress: bool = True,
+    label: str | None = None,
+    position: int = 0,
 ) -> ReplayResult:
-    """Send every arrival at its time (open loop) and measure each streamed answer.
+    """Start every session at its time (open loop across sessions), send each later turn its think
+    time after the previous answer ended (closed loop within one), and measure each streamed answer.
 
     `model` None asks `GET /v1/models`; when that fails the requests name no model, which servers of
     one model accept and others answer with an error that is counted. At most `concurrency_limit`
     requests are in flight; later ones wait for a slot and are timed from when they leave. Each
-    request gets `timeout_s`; after the last send, those still waiting or running get about as long
-    in all, then count as "unfinished". Failures are counted by kind in `errors`, never raised.
+    request gets `timeout_s` once it leaves; one not done about as long after it was due (waiting for
+    a slot included) counts as "unfinished", and its session goes on. Failures are counted by kind in
+    `errors`, never raised; a failed turn is followed by the session's next one all the same.
     """
     url = url.rstrip("/")
     headers = _headers(api_key)
@@ -355,37 +377,42 @@ async def replay(
         loop = asyncio.get_running_loop()
         start = loop.time()
         last_end = start
-        bar = tqdm(total=len(arrivals), desc=f"replay {url}", unit="req", disable=not progress)
+        sent = 0
+        bar = tqdm(
+            total=total_turns(sessions),
+            desc=label or f"replay {url}",
+            unit="req",
+            disable=not progress,
+            position=position,
+        )
 
-        async def one(prompt: Prompt) -> None:
-            nonlocal last_end
-            async with slots:
-                try:
-                    records.append(await _stream_one(client, url, _body(prompt, model), headers, timeout_s))
-                except (_Failed, UpstreamError, TimeoutError, ValueError) as error:
-                    errors[_failure_kind(error)] += 1
+        async def one(turn: Turn, user: str) -> None:
+            nonlocal last_end, sent
+            sent += 1
+            deadline = asyncio.timeout(timeout_s + DRAIN_GRACE_S)
+            try:
+                async with deadline, slots:
+                    body = _body(turn.prompt, turn.max_tokens, model, user)
+                    records.append(await _stream_one(client, url, body, headers, timeout_s))
+            except (_Failed, UpstreamError, TimeoutError, ValueError) as error:
+                errors["unfinished" if deadline.expired() else _failure_kind(error)] += 1
             last_end = max(last_end, loop.time())
             bar.update()
             if errors:
                 bar.set_postfix(errors=errors.total(), refresh=False)
 
-        tasks = []
-        for arrival in arrivals:
-            delay = start + arrival.at_s - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(arrival.prompt)))
-        if tasks:
-            _, unfinished = await asyncio.wait(tasks, timeout=timeout_s + DRAIN_GRACE_S)
-            for task in unfinished:
-                task.cancel()
-            await asyncio.gather(*unfinished, return_exceptions=True)
-            if unfinished:
-                errors["unfinished"] += len(unfinished)
+        async def run(session: Session) -> None:
+            await asyncio.sleep(max(start + session.start_s - loop.time(), 0.0))
+            for k, turn in enumerate(session.turns):
+                if k:
+                    await asyncio.sleep(turn.think_s)
+                await one(turn, session.key)
+
+        await asyncio.gather(*(run(s) for s in sessions))
         bar.close()
     finally:
         client.close()
-    return ReplayResult(url, len(tasks), last_end - start, records, errors)
+    return ReplayResult(url, sent, last_end - start, records, errors)
 
 
 async def closed_loop(
@@ -407,7 +434,7 @@ async def closed_loop(
     headers = _headers(api_key)
     records: list[RequestRecord] = []
     errors: Counter[str] = Counter()
-    bodies = itertools.cycle([_body(p, model) for p in prompts])
+    bodies = itertools.cycle([_body(p.token_ids, p.max_tokens, model) for p in prompts])
     sent = 0
     client = UpstreamClient()
     try:
@@ -429,6 +456,99 @@ async def closed_loop(
     finally:
         client.close()
     return ReplayResult(url, sent, elapsed, records, errors)
+
+
+# -- fleet mode: how the gateway is told about the workers ------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    """How the gateway knows the simulated workers' caches. Precise: declared bundled, it follows
+    their KV events. Approximate: declared foreign (`kind: openai`), it predicts their caches from its
+    own routing, told a capacity of `capacity_factor` times their true pool (None: told none, so the
+    gateway's own default, or what it learns, applies)."""
+
+    precise: bool
+    capacity_factor: float | None = None
+
+    @property
+    def name(self) -> str:
+        if self.precise:
+            return "precise"
+        return (
+            "approx cap absent" if self.capacity_factor is None else f"approx cap x{self.capacity_factor:g}"
+        )
+
+    def capacity_blocks(self, num_blocks: int) -> int | None:
+        """The capacity the gateway is told for workers of `num_blocks` blocks (None: none)."""
+        if self.precise or self.capacity_factor is None:
+            return None
+        return max(1, round(self.capacity_factor * num_blocks))
+
+
+PRECISE = Mode(precise=True)
+FLEET_MODES = (Mode(False, 0.25), Mode(False, 1.0), Mode(False, 16.0), Mode(False), PRECISE)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One row of the comparison: a policy, and how its gateway is told about the workers."""
+
+    policy: str
+    mode: Mode
+
+    @property
+    def name(self) -> str:
+        return f"{self.policy} {self.mode.name}" if self.policy in INDEX_POLICIES else self.policy
+
+
+def fleet_rows(policies: Sequence[str], modes: Sequence[Mode]) -> list[Row]:
+    """A row per mode for the policies that read the index, one (precise: bundled workers, whose load
+    reports they read) for the others. Rows of one mode come together, so that the index policies
+    run side by side (--parallel) under the same conditions and read next to each other."""
+    index = [p for p in policies if p in INDEX_POLICIES]
+    return [Row(p, m) for m in modes for p in index] + [
+        Row(p, PRECISE) for p in policies if p not in INDEX_POLICIES
+    ]
+
+
+def row_gateway_config(
+    model: str, worker_urls: Sequence[str], policy: str, mode: Mode, pool: tuple[int, int], port: int
+) -> dict[str, Any]:
+    """local_fleet's gateway config, with the workers declared as the mode says; `pool` is their
+    (block size, blocks). Ids are the workers' own (w0, w1, ...) either way, so rows compare."""
+    config = gateway_config(model, worker_urls, policy, port)
+    if mode.precise:
+        config["replicas"] = [{"url": url, "kind": "bundled"} for url in worker_urls]
+        return config
+    block_size, num_blocks = pool
+    capacity = mode.capacity_blocks(num_blocks)
+    told = {} if capacity is None else {"capacity_blocks": capacity}
+    config["replicas"] = [
+        {"url": url, "id": f"w{i}", "kind": "openai", "model": model, "block_size": block_size, **told}
+        for i, url in enumerate(worker_urls)
+    ]
+    return config
+
+
+@contextlib.contextmanager
+def row_fleet(
+    workdir: Path, spec: SimWorkers, policy: str, mode: Mode, pool: tuple[int, int]
+) -> Iterator[str]:
+    """Fresh workers (empty caches) and a gateway over them with the row's policy and mode, all ready;
+    yields the gateway's URL and stops everything on the way out."""
+    with local_fleet(workdir, spec) as fleet:
+        port = free_port()
+        config = workdir / "gateway.yaml"
+        urls = [w.url for w in fleet.workers]
+        config.write_text(yaml.safe_dump(row_gateway_config(spec.model, urls, policy, mode, pool, port)))
+        command = cli("serve", "--config", str(config), "--log-level", "WARNING")
+        fleet.gateway = spawn("gateway", command, f"http://127.0.0.1:{port}", workdir)
+        try:
+            wait_ready(fleet)
+            yield fleet.gateway.url
+        finally:
+            stop([fleet.gateway])
 
 
 # -- command line ------------------------------------------------------------------------------------
@@ -456,6 +576,30 @@ def _policies(text: str) -> tuple[str, ...]:
     return names
 
 
+def _mode(item: str) -> Mode:
+    kind, _, factor = item.partition(":")
+    if kind == "precise" and not factor:
+        return PRECISE
+    if kind == "approx":
+        capacity_factor = float(factor) if factor else None
+        if capacity_factor is None or capacity_factor > 0:
+            return Mode(False, capacity_factor)
+    raise ValueError(item)
+
+
+def _modes(text: str) -> tuple[Mode, ...]:
+    """precise, approx (no capacity told) and approx:F (F > 0 times the true pool), comma-separated."""
+    try:
+        modes = tuple(_mode(item.strip()) for item in text.split(",") if item.strip())
+    except ValueError:
+        modes = ()
+    if not modes:
+        raise argparse.ArgumentTypeError(
+            f"expected precise, approx or approx:FACTOR (FACTOR > 0), comma-separated; got {text!r}"
+        )
+    return modes
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", default=None, help="base URL of an OpenAI-compatible server")
@@ -464,7 +608,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="start N simulated workers and, per --policies entry, a gateway over them",
+        help="start N simulated workers and, per row (policy and mode), a gateway over them",
     )
     workload = parser.add_mutually_exclusive_group()
     workload.add_argument("--trace", default=None, help="Mooncake-format JSONL trace")
@@ -476,23 +620,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="G groups of P questions: S system tokens, Q question tokens, O output tokens "
         f"(--sim-fleet default: {','.join(map(str, FLEET_WORKLOAD))})",
     )
+    workload.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default=None,
+        help="generated (bench.workloads): multi-tenant agent sessions, or grouped shared prefixes",
+    )
     parser.add_argument(
         "--rate",
         type=float,
         default=None,
-        help=f"requests/s, Poisson (with --trace: instead of its times; --sim-fleet default: {FLEET_RATE:g})",
+        help="requests/s, Poisson (with --trace: instead of its times; "
+        f"--sim-fleet default: {FLEET_RATE:g}; grouped default: {GroupedParams().rate:g})",
     )
     parser.add_argument(
         "--duration",
         type=float,
         default=None,
-        help=f"seconds of sending (--sim-fleet default: {FLEET_DURATION_S:g})",
+        help=f"seconds of sending (--sim-fleet default: {FLEET_DURATION_S:g}); agent: the window "
+        f"sessions start in, each then running to its end (default {AgentParams().start_window_s:g}); "
+        "grouped: all prompts when absent",
+    )
+    parser.add_argument(
+        "--sessions", type=int, default=None, help=f"agent sessions ({AgentParams().sessions})"
     )
     parser.add_argument("--json", default=None, help="write the summary here, and a PNG next to it")
     parser.add_argument("--model", default=None, help="default: the first of GET /v1/models")
     parser.add_argument("--api-key", default=None, help="default: $PREFIXGATE_API_KEY or 'none'")
-    parser.add_argument("--speed", type=float, default=1.0, help="trace time compression (2 = twice as fast)")
-    parser.add_argument("--limit", type=int, default=None, help="send at most N requests")
+    parser.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="time compression of a trace or generated workload (2 = twice as fast)",
+    )
+    parser.add_argument("--limit", type=int, default=None, help="send at most N requests (sessions)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency-limit", type=int, default=512, help="most requests in flight")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request, and to drain")
@@ -501,6 +662,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fleet = parser.add_argument_group("--sim-fleet: simulated workers started for the run")
     fleet.add_argument(
         "--policies", type=_policies, default=FLEET_POLICIES, help="comma-separated, one gateway each"
+    )
+    fleet.add_argument(
+        "--modes",
+        type=_modes,
+        default=FLEET_MODES,
+        help="for the policies that read the index, a row each: precise, approx (no capacity told), "
+        "approx:F (F x the workers' pool); default: approx:0.25,approx:1,approx:16,approx,precise",
+    )
+    fleet.add_argument(
+        "--parallel",
+        type=int,
+        default=FLEET_PARALLEL,
+        help="rows run at once, each on its own workers and gateway (the CPU they need is small)",
     )
     fleet.add_argument("--sim-profile", default=FLEET_PROFILE, help="the workers' profile")
     fleet.add_argument("--block-size", type=int, default=FLEET_BLOCK_SIZE, help="the workers' KV block size")
@@ -512,14 +686,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _arrivals(args: argparse.Namespace) -> tuple[str, list[Arrival]]:
-    """The workload's name and its arrivals, a pure function of the flags and the seed."""
+def arrival_sessions(arrivals: Sequence[Arrival]) -> list[Session]:
+    """Open-loop arrivals as sessions of one turn each."""
+    return [Session(a.at_s, (Turn(a.prompt.token_ids, a.prompt.max_tokens),)) for a in arrivals]
+
+
+def _sessions(args: argparse.Namespace) -> tuple[str, list[Session], dict[str, Any]]:
+    """The workload's name, its sessions and its parameters, a pure function of the flags and seed."""
     if args.shared_prefix is not None:
         if args.rate is None:
             raise SystemExit("prefixgate bench replay: --shared-prefix needs --rate")
         prompts = shared_prefix_workload(*args.shared_prefix, seed=args.seed)
         arrivals = shared_prefix_arrivals(prompts, args.rate, args.duration, args.seed)
-        return "shared-prefix " + ",".join(map(str, args.shared_prefix)), arrivals[: args.limit]
+        name = "shared-prefix " + ",".join(map(str, args.shared_prefix))
+        return name, arrival_sessions(arrivals[: args.limit]), {}
+    if args.workload is not None:
+        sessions, params = generated_sessions(args)
+        return args.workload, sessions, params
     trace = load_trace(args.trace, speed=args.speed, limit=args.limit)
     arrivals = trace_arrivals(
         trace,
@@ -529,40 +712,59 @@ def _arrivals(args: argparse.Namespace) -> tuple[str, list[Arrival]]:
         vocab_size=args.vocab_size,
         max_prompt_tokens=args.max_prompt_tokens,
     )
-    return f"trace {Path(args.trace).name}", arrivals[: args.limit]
+    return f"trace {Path(args.trace).name}", arrival_sessions(arrivals[: args.limit]), {}
 
 
 def fill_fleet_defaults(args: argparse.Namespace) -> None:
     """--sim-fleet alone runs the comparison the defaults were chosen for; a URL needs its workload."""
-    if args.sim_fleet is not None and args.trace is None and args.shared_prefix is None:
+    chosen = args.trace is not None or args.shared_prefix is not None or args.workload is not None
+    if args.sim_fleet is not None and not chosen:
         args.shared_prefix = FLEET_WORKLOAD
         args.rate = FLEET_RATE if args.rate is None else args.rate
-    if args.sim_fleet is not None and args.duration is None:
+    if args.sim_fleet is not None and args.duration is None and args.workload is None:
         args.duration = FLEET_DURATION_S
-    if args.trace is None and args.shared_prefix is None:
-        raise SystemExit("prefixgate bench replay: give a workload, --trace or --shared-prefix")
-    if args.duration is None or args.duration <= 0:
-        raise SystemExit("prefixgate bench replay: --duration must be given and positive")
+    if not (chosen or args.shared_prefix is not None):
+        raise SystemExit("prefixgate bench replay: give a workload, --trace, --shared-prefix or --workload")
+    if args.duration is None and args.workload is None:
+        raise SystemExit("prefixgate bench replay: --duration must be given with --trace or --shared-prefix")
+    if args.duration is not None and args.duration <= 0:
+        raise SystemExit("prefixgate bench replay: --duration must be positive")
+
+
+def _pace(args: argparse.Namespace, name: str, params: dict[str, Any], sessions: Sequence[Session]) -> str:
+    """How the workload is paced, for the titles."""
+    speed = f" at speed {args.speed:g}" if args.speed != 1 else ""
+    if name == "agent":
+        return f"{len(sessions)} sessions starting within {params['start_window_s']:g} s{speed}"
+    if name == "grouped":
+        return f"{len(sessions)} prompts at {params['rate']:g} req/s{speed}"
+    rate = f"{args.rate:g} req/s" if args.rate else f"its own times at speed {args.speed:g}"
+    return f"{rate} for {args.duration:g} s"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     fill_fleet_defaults(args)
-    workload, arrivals = _arrivals(args)
-    rate = f"{args.rate:g} req/s" if args.rate else f"its own times at speed {args.speed:g}"
+    name, sessions, params = _sessions(args)
     if args.sim_fleet is not None:
-        return _run_fleet(args, workload, rate, arrivals)
+        return _run_fleet(args, name, params, sessions)
     result = asyncio.run(
-        replay(
+        replay_sessions(
             args.url,
-            arrivals,
+            sessions,
             model=args.model,
             api_key=args.api_key or os.environ.get("PREFIXGATE_API_KEY", "none"),
             concurrency_limit=args.concurrency_limit,
             timeout_s=args.timeout,
         )
     )
-    payload = {"workload": workload, "rate": args.rate, "duration_s": args.duration, **result.summary()}
-    title = f"replay: {workload}, {rate} for {args.duration:g} s against {result.url}"
+    payload = {
+        "workload": name,
+        "workload_params": params,
+        "rate": args.rate,
+        "duration_s": args.duration,
+        **result.summary(),
+    }
+    title = f"replay: {name}, {_pace(args, name, params, sessions)} against {result.url}"
     print(_tables(title, payload))
     if args.json:
         write_json(args.json, payload)
@@ -570,7 +772,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return payload
 
 
-# -- fleet mode: one arrival schedule through a gateway per policy ------------------------------------
+# -- fleet mode: one workload through a gateway per row ----------------------------------------------
 
 
 def imbalance(requests_per_replica: dict[str, int], replicas: int) -> float:
@@ -579,36 +781,66 @@ def imbalance(requests_per_replica: dict[str, int], replicas: int) -> float:
     return max(requests_per_replica.values(), default=0) * replicas / total if total else 0.0
 
 
-def _run_fleet(args: argparse.Namespace, workload: str, rate: str, arrivals: list[Arrival]) -> dict[str, Any]:
-    """Per policy: fresh workers (empty caches), a gateway with that policy, the same arrivals."""
-    if args.sim_fleet < 1:
-        raise SystemExit("prefixgate bench replay: --sim-fleet needs at least one worker")
+def _run_fleet(
+    args: argparse.Namespace, name: str, params: dict[str, Any], sessions: list[Session]
+) -> dict[str, Any]:
+    """Per row: fresh workers (empty caches), a gateway with the row's policy and mode, the same
+    sessions; `--parallel` rows at a time, each wave's fleets stopped before the next starts."""
+    if args.sim_fleet < 1 or args.parallel < 1:
+        raise SystemExit("prefixgate bench replay: --sim-fleet and --parallel need at least 1")
     spec = SimWorkers(args.sim_fleet, args.sim_profile, args.block_size, args.num_blocks)
+    pool = (args.block_size, args.num_blocks)
+    plan = fleet_rows(args.policies, args.modes)
+
+    async def wave_replays(urls: list[str], first: int) -> list[ReplayResult]:
+        return await asyncio.gather(
+            *(
+                replay_sessions(
+                    url,
+                    sessions,
+                    model=spec.model,
+                    concurrency_limit=args.concurrency_limit,
+                    timeout_s=args.timeout,
+                    label=f"{first + j + 1}/{len(plan)} {plan[first + j].name}",
+                    position=j,
+                )
+                for j, url in enumerate(urls)
+            )
+        )
+
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="prefixgate-replay-") as tmp:
-        for policy in args.policies:
-            with local_fleet(Path(tmp) / policy, spec, policy) as fleet:
-                assert fleet.gateway is not None
-                result = asyncio.run(
-                    replay(
-                        fleet.gateway.url,
-                        arrivals,
-                        model=spec.model,
-                        concurrency_limit=args.concurrency_limit,
-                        timeout_s=args.timeout,
+        for first in range(0, len(plan), args.parallel):
+            wave = plan[first : first + args.parallel]
+            with contextlib.ExitStack() as fleets:
+                urls = [
+                    fleets.enter_context(
+                        row_fleet(Path(tmp) / f"row{first + j}", spec, row.policy, row.mode, pool)
                     )
-                )
-            summary = result.summary()
-            rows[policy] = {**summary, "imbalance": imbalance(summary["requests_per_replica"], spec.count)}
+                    for j, row in enumerate(wave)
+                ]
+                results = asyncio.run(wave_replays(urls, first))
+            for row, result in zip(wave, results, strict=True):
+                summary = result.summary()
+                rows[row.name] = {
+                    **summary,
+                    "policy": row.policy,
+                    "mode": row.mode.name,
+                    "capacity_blocks": row.mode.capacity_blocks(args.num_blocks),
+                    "imbalance": imbalance(summary["requests_per_replica"], spec.count),
+                }
     payload = {
-        "workload": workload,
+        "workload": name,
+        "workload_params": params,
+        "requests": total_turns(sessions),
         "rate": args.rate,
         "duration_s": args.duration,
+        "speed": args.speed,
         "sim_fleet": {**dataclasses.asdict(spec), "model": spec.model},
         "policies": rows,
     }
     title = (
-        f"replay: {workload}, {rate} for {args.duration:g} s through the gateway over {spec.count} "
+        f"replay: {name}, {_pace(args, name, params, sessions)} through the gateway over {spec.count} "
         f"{spec.profile} workers ({spec.num_blocks} blocks of {spec.block_size})"
     )
     print(_fleet_tables(title, payload))
@@ -644,8 +876,13 @@ def _fleet_tables(title: str, p: dict[str, Any]) -> str:
     )
 
 
+def _plot_label(row: str) -> str:
+    """A row's name short enough for a bar's label: "prefix_aware approx cap x16" is "prefix_aware ~x16"."""
+    return row.replace(" approx cap absent", " ~none").replace(" approx cap ", " ~")
+
+
 def _fleet_panels(p: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
-    rows = p["policies"]
+    rows = {_plot_label(name): r for name, r in p["policies"].items()}
     panels = [
         (name, {policy: r[key][s] for policy, r in rows.items() if r[key][s] is not None})
         for name, key, s in _FLEET_COLUMNS

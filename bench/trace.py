@@ -5,10 +5,14 @@ from __future__ import annotations
 import functools
 import json
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import overload
 
 import numpy as np
+
+from bench.workloads import Session, Turn
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -48,6 +52,44 @@ def trace_block_tokens(hash_id: int, vocab_size: int) -> np.ndarray:
 def prompt_tokens(request: TraceRequest, vocab_size: int) -> list[int]:
     blocks = [trace_block_tokens(h, vocab_size) for h in request.hash_ids]
     return np.concatenate(blocks)[: request.input_length].tolist()
+
+
+class TracePrompt(Sequence[int]):
+    """A trace request's prompt tokens, expanded only when read: a whole trace's prompts expanded at
+    once would take gigabytes (the conversation trace averages 12k tokens over 12k requests)."""
+
+    __slots__ = ("request", "vocab_size")
+
+    def __init__(self, request: TraceRequest, vocab_size: int) -> None:
+        self.request = request
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return self.request.input_length
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return prompt_tokens(self.request, self.vocab_size)[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(prompt_tokens(self.request, self.vocab_size))
+
+
+def trace_sessions(trace: Sequence[TraceRequest], vocab_size: int) -> list[Session]:
+    """Each request a session of one turn at its own time (a trace is open loop). Its session key is
+    its second block's id: a conversation's turns share it, requests that share only the first
+    block (a system prompt) do not."""
+    return [
+        Session(
+            r.arrival_s,
+            (Turn(TracePrompt(r, vocab_size), max(r.output_length, 1)),),
+            key=str(r.hash_ids[1] if len(r.hash_ids) > 1 else r.hash_ids[0]),
+        )
+        for r in trace
+    ]
 
 
 def load_trace(path: str | Path, speed: float = 1.0, limit: int | None = None) -> list[TraceRequest]:

@@ -213,12 +213,16 @@ async def _route_and_forward(gw: Gateway, request: web.Request, route: Route) ->
     replicas = gw.replicas.serving(model) if model is not None else gw.replicas.all()
     tokens = await gw.tokenizers.prompt_ids(view, model) if model is not None else None
     decision = await _decide(gw, request, route, view, replicas, tokens)
+    predicted = None
     if route in PREFIX_ROUTES:
         gw.metrics.child(gw.metrics.decision, gw.policy.name).observe(decision.seconds)
-        if decision.order:
-            chosen = gw.replicas.get(decision.order[0])
-            if chosen is not None and not gw.precise(chosen) and decision.hashes.get(chosen.block_size):
-                gw.predictions.record(chosen.id, decision.hashes[chosen.block_size], time.time())
+        chosen = gw.replicas.get(decision.order[0]) if decision.order else None
+        hashes = decision.hashes.get(chosen.block_size) if chosen is not None else None
+        if chosen is not None and hashes and not gw.precise(chosen):
+            # What the chosen replica was predicted to hold, as it was before this request: the
+            # reuse it reports is checked against it (Predictions.learn).
+            predicted = gw.index.predicted(chosen.id, hashes)
+            gw.predictions.record(chosen.id, hashes, time.time())
     routed = Routed(
         route=route,
         model=model or "",
@@ -232,6 +236,7 @@ async def _route_and_forward(gw: Gateway, request: web.Request, route: Route) ->
         decision=decision,
         arrival=arrival,
         authorization=request.headers.get("Authorization"),
+        predicted=predicted,
     )
     return await forward(gw, request, routed)
 
@@ -324,10 +329,13 @@ def _replica_or_404(gw: Gateway, replica_id: str) -> Any:
 
 async def list_replicas(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    sync = gw.sync.states
+    sync = gw.sync.states | gw.zmq_sync.states
     rows = []
     for r in gw.replicas.all():
-        row = r.to_json() | {"index_blocks": gw.index.blocks_of(r.id)}
+        row = r.to_json() | {
+            "index_blocks": gw.index.blocks_of(r.id),
+            "index_capacity_blocks": gw.index.capacity_of(r.id),
+        }
         if r.id in sync:
             row["kv_sync"] = sync[r.id].to_json()
         rows.append(row)

@@ -12,10 +12,11 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from policies import ConfigError, RoutingConfig
 from policies.config import format_validation_error
+from protocol.vllm_kv_events import check_endpoint, default_replay_endpoint
 
 ReplicaKind = Literal["auto", "bundled", "openai"]
 
@@ -57,9 +58,31 @@ class ReplicaEntry(_Section):
     kind: ReplicaKind = "auto"
     # The model a foreign backend serves (default: the first of its /v1/models).
     model: str | None = None
-    # A foreign backend's KV block size and cache capacity, for approximate mode's predictions.
+    # A foreign backend's KV block size, and its cache capacity in blocks for approximate mode's
+    # predictions: only a prior, corrected from what the backend reports reusing; none: learned from
+    # the first report.
     block_size: int = Field(16, ge=1)
-    capacity_blocks: int = Field(65_536, ge=1)
+    capacity_blocks: int | None = Field(None, ge=1)
+    # Where the replica publishes its KV events in vLLM's wire format (vLLM's or SGLang's
+    # --kv-events-config endpoint, a bundled worker's --kv-events-zmq): tcp://HOST:PORT or
+    # ipc://PATH. Set, the replica is routed in precise mode, its index followed from those events.
+    kv_events: str | None = None
+    # Its replay (ROUTER) socket; default: the same host, port + 1 (none for an ipc:// endpoint).
+    kv_events_replay: str | None = None
+
+    @field_validator("kv_events", "kv_events_replay")
+    @classmethod
+    def _zmq(cls, address: str | None) -> str | None:
+        return None if address is None else check_endpoint(address)
+
+    @model_validator(mode="after")
+    def _replay(self) -> ReplicaEntry:
+        if self.kv_events is None:
+            if self.kv_events_replay is not None:
+                raise ValueError("kv_events_replay needs kv_events")
+        elif self.kv_events_replay is None:
+            self.kv_events_replay = default_replay_endpoint(self.kv_events)
+        return self
 
     @field_validator("url")
     @classmethod
@@ -112,6 +135,9 @@ class Health(_Section):
 class Approximate(_Section):
     # How long a routing decision is believed to stay in a foreign backend's cache.
     ttl_s: float = Field(300.0, gt=0)
+    # Streams to a predicted replica ask it for usage (stream_options.include_usage) when the client
+    # did not, to learn what it reused; the usage chunk is then left out of what the client receives.
+    request_usage: bool = True
 
 
 class Responses(_Section):

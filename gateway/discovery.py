@@ -34,10 +34,14 @@ class Probe:
     kind: Kind
     model: str
     block_size: int
-    capacity_blocks: int
+    # KV blocks: a bundled worker's pool; for a foreign backend the configured prior (None: learned).
+    capacity_blocks: int | None
     max_context_len: int
     max_waiting: int
     incarnation: str | None
+    # Its KV events in vLLM's wire format, when configured (ReplicaEntry.kv_events): followed over ZMQ.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float) -> Any:
@@ -75,6 +79,8 @@ async def probe(session: aiohttp.ClientSession, entry: ReplicaEntry, timeout_s: 
             max_context_len=int(health["max_context_len"]),
             max_waiting=int(health.get("max_waiting", 256)),
             incarnation=str(health["incarnation"]),
+            kv_events=entry.kv_events,
+            kv_events_replay=entry.kv_events_replay,
         )
     models = await _get_json(session, f"{entry.url}/v1/models", timeout_s)
     data = models.get("data") if isinstance(models, dict) else None
@@ -95,6 +101,8 @@ async def probe(session: aiohttp.ClientSession, entry: ReplicaEntry, timeout_s: 
         max_context_len=int(listed.get("max_model_len") or DEFAULT_MAX_CONTEXT),
         max_waiting=256,
         incarnation=None,
+        kv_events=entry.kv_events,
+        kv_events_replay=entry.kv_events_replay,
     )
 
 

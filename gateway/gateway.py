@@ -29,6 +29,7 @@ from gateway.replicas import Replica, ReplicaSet, Source
 from gateway.response_owners import ResponseOwners
 from gateway.tokenizers import Tokenizers
 from gateway.upstream import UpstreamClient
+from gateway.zmq_sync import ZmqSource, ZmqSync
 from policies import Policy, build_policy
 from policies.least_load import LeastLoad
 from protocol.cancellation import check_cancelled
@@ -59,6 +60,8 @@ class Gateway:
     upstream: UpstreamClient = field(init=False)
     redis: Redis | None = field(init=False, default=None)
     sync: IndexSync = field(init=False)
+    # Replicas configured with `kv_events`: their vLLM-format KV events followed over ZMQ.
+    zmq_sync: ZmqSync = field(init=False)
     predictions: Predictions = field(init=False)
     response_owners: ResponseOwners = field(init=False)
     tokenizers: Tokenizers = field(init=False)
@@ -80,7 +83,11 @@ class Gateway:
         return self.config.routing.prefix_aware.mode == "approximate"
 
     def precise(self, replica: Replica) -> bool:
-        return replica.kind == "bundled" and not self.approximate_everywhere
+        """Whether the replica's index entries are exact, from its KV events: a bundled worker's, or
+        any replica's followed over ZMQ; otherwise they are predictions."""
+        if self.approximate_everywhere:
+            return False
+        return replica.kind == "bundled" or self.zmq_sync.follows(replica.id)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -101,6 +108,7 @@ class Gateway:
             self.redis = connect(self.config.redis.url, REDIS_TIMEOUT_S, decode_responses=True)
             self.redis_ok = False
         self.sync = IndexSync(self.index, self.session, self.redis)
+        self.zmq_sync = ZmqSync(self.index)
         self.predictions = Predictions(
             self.index, ttl_s=self.config.approximate.ttl_s, redis=self.redis, gateway_id=self.gateway_id
         )
@@ -125,6 +133,7 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.sync.close()
+        await self.zmq_sync.close()
         await self.predictions.close()
         await self.session.close()
         self.upstream.close()
@@ -162,9 +171,16 @@ class Gateway:
         )
         self.replicas.add(replica)
         self.tokenizers.ensure(replica.model)
-        precise = self.precise(replica)
-        self.index.add_replica(replica.id, capacity_blocks=None if precise else replica.capacity_blocks)
-        if precise:
+        # Configured KV events are followed whatever the kind: the operator named them.
+        events = None if self.approximate_everywhere else found.kv_events
+        precise = events is not None or self.precise(replica)
+        self.index.add_replica(
+            replica.id, capacity_blocks=None if precise else replica.capacity_blocks, learn=not precise
+        )
+        if events is not None:
+            source = ZmqSource(events, found.kv_events_replay)
+            self.zmq_sync.start(replica.id, replica.model, replica.block_size, source)
+        elif precise:
             self.sync.start(replica.id, replica.url)
         log.info(
             "replica %s joined: %s %s at %s (%s)",
@@ -181,6 +197,7 @@ class Gateway:
         if replica is None:
             return None
         self.sync.stop(replica_id)
+        self.zmq_sync.stop(replica_id)
         self.index.drop_replica(replica_id)
         self.metrics.forget_replica(replica_id, replica.model)
         log.info("replica %s left", replica_id)
@@ -318,7 +335,10 @@ class Gateway:
             m.replica_healthy.labels(r.id, r.model).set(1 if r.routable else 0)
             m.replica_inflight.labels(r.id).set(len(r.inflight))
             m.replica_prefill_rate.labels(r.id).set(r.prefill_rate)
-        for rid, state in self.sync.states.items():
+            capacity = self.index.capacity_of(r.id) if r.id in self.index.replicas else None
+            if capacity is not None:
+                m.replica_capacity.labels(r.id).set(capacity)
+        for rid, state in (self.sync.states | self.zmq_sync.states).items():
             m.sync_lag.labels(rid).set(state.lag_s())
             m.sync_resyncs.labels(rid).set(state.resyncs)
 

@@ -116,6 +116,20 @@ class GatewayMetrics:
             ("replica",),
             registry=registry,
         )
+        self.replica_capacity = Gauge(
+            "prefixgate_gateway_replica_capacity_blocks",
+            "The capacity bound of a predicted replica's cache, as configured and then learned from what "
+            "it reports reusing (absent: unbounded, or followed exactly by its KV events)",
+            ("replica",),
+            registry=registry,
+        )
+        self.retries = Counter(
+            "prefixgate_gateway_retries",
+            "Requests sent to another replica after one failed before any output reached the client, by "
+            "how it failed: connect_failed, timeout, disconnected, bad_response, http_429, http_503",
+            ("model", "reason"),
+            registry=registry,
+        )
         self.redis_up = Gauge(
             "prefixgate_gateway_redis_up",
             "1 while the gateway reaches Redis; 0: degraded, routing on its local index",
@@ -146,6 +160,7 @@ class GatewayMetrics:
     def forget_replica(self, replica_id: str, model: str) -> None:
         """Drop the series of a replica that left, so dashboards do not show it forever."""
         for gauge in (
+            self.replica_capacity,
             self.replica_inflight,
             self.replica_prefill_rate,
             self.sync_lag,

@@ -236,7 +236,11 @@ REPLICA_ENTRY: dict[str, Any] = {
         "kind": {"enum": ["auto", "bundled", "openai"], "description": "auto: ask its /health"},
         "model": {"type": ["string", "null"], "description": "a foreign backend's model"},
         "block_size": {"type": "integer", "minimum": 1, "description": "a foreign backend's KV block"},
-        "capacity_blocks": {"type": "integer", "minimum": 1, "description": "a foreign backend's KV pool"},
+        "capacity_blocks": {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "description": "a foreign backend's KV pool: a prior the gateway corrects (null: learned)",
+        },
     },
 }
 

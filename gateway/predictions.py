@@ -15,6 +15,12 @@ that expire before Redis takes them are never sent. A gateway that starts reads 
 Expiry: the index keeps expired entries until `expire(now)` runs (matching never looks at the
 clock), so a sweep task here runs it every `sweep_s`; a stale prediction outlives its expiry by at most
 that. The index is touched only from the event loop, like everything else that uses it.
+
+Predictions correct themselves (`learn`): what a replica reports it reused of a request's prompt
+(`usage.prompt_tokens_details.cached_tokens`) evicts the predicted blocks it turned out not to hold
+and corrects the replica's capacity bound in the index (RadixIndex.correct), so the configured
+capacity is only a prior. A capacity learned here is published on the same stream, and the other
+gateways take it.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from redis.asyncio import Redis
 from gateway.kv_sync import BLOCK_MS, READ_COUNT, RETRY_MAX_S, Backoff, read_stream
 from protocol.cancellation import check_cancelled
 from protocol.redis_keys import PREDICTIONS
-from radix.index import RadixIndex
+from radix.index import Predicted, RadixIndex
 
 log = logging.getLogger("prefixgate.gateway.predictions")
 
@@ -51,6 +57,8 @@ class PredictionStats:
     """Counters for metrics and the admin API."""
 
     recorded: int = 0
+    # Reports of what a replica reused, applied to the index.
+    learned: int = 0
     published: int = 0
     # Never published: the queue was full, or they expired while Redis was unreachable.
     dropped: int = 0
@@ -97,7 +105,8 @@ class Predictions:
         self.sweep_s = sweep_s
         self.retry_max_s = retry_max_s
         self.stats = PredictionStats()
-        self._queue: asyncio.Queue[tuple[str, float, list[int]]] = asyncio.Queue(QUEUE_SIZE)
+        # (expiry, stream entry): predictions, and learned capacities.
+        self._queue: asyncio.Queue[tuple[float, dict[str, str]]] = asyncio.Queue(QUEUE_SIZE)
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -123,10 +132,25 @@ class Predictions:
         expires_at = (self.clock() if now is None else now) + self.ttl_s
         self.index.insert(replica_id, hashes, expires_at=expires_at)
         self.stats.recorded += 1
+        self._publish_later(
+            expires_at, {"replica": replica_id, "expires_at": repr(expires_at), "hashes": json.dumps(hashes)}
+        )
+
+    def learn(self, replica_id: str, predicted: Predicted, realised: int) -> None:
+        """The replica reused the first `realised` blocks of a request `predicted` there (taken before
+        the request was recorded): correct the index, and share a capacity that changed."""
+        before = self.index.capacity_of(replica_id)
+        self.index.correct(replica_id, predicted, realised)
+        self.stats.learned += 1
+        after = self.index.capacity_of(replica_id)
+        if after is not None and after != before:
+            self._publish_later(self.clock() + self.ttl_s, {"replica": replica_id, "capacity": str(after)})
+
+    def _publish_later(self, expires_at: float, fields: dict[str, str]) -> None:
         if self.redis is None:
             return
         try:
-            self._queue.put_nowait((replica_id, expires_at, list(hashes)))
+            self._queue.put_nowait((expires_at, {"gateway": self.gateway_id, **fields}))
         except asyncio.QueueFull:
             self.stats.dropped += 1
 
@@ -146,7 +170,7 @@ class Predictions:
 
     async def _publish(self, redis: Redis) -> None:
         backoff = Backoff(most_s=self.retry_max_s)
-        pending: list[tuple[str, float, list[int]]] = []
+        pending: list[tuple[float, dict[str, str]]] = []
         while True:
             check_cancelled()
             if not pending:
@@ -154,20 +178,14 @@ class Predictions:
             while len(pending) < PUBLISH_BATCH and not self._queue.empty():
                 pending.append(self._queue.get_nowait())
             now = self.clock()
-            live = [p for p in pending if p[1] > now]
+            live = [p for p in pending if p[0] > now]
             self.stats.dropped += len(pending) - len(live)
             pending = live
             if not pending:
                 continue
             try:
                 async with redis.pipeline(transaction=False) as pipe:
-                    for replica, expires_at, hashes in pending:
-                        fields = {
-                            "gateway": self.gateway_id,
-                            "replica": replica,
-                            "expires_at": repr(expires_at),
-                            "hashes": json.dumps(hashes),
-                        }
+                    for _, fields in pending:
                         pipe.xadd(self.stream, fields, maxlen=self.stream_maxlen, approximate=True)
                     await pipe.execute()
             except Exception as error:
@@ -198,16 +216,23 @@ class Predictions:
     def _take(self, entry_id: str, fields: Mapping[str, str], known: set[str], now: float) -> None:
         try:
             gateway, replica = fields["gateway"], fields["replica"]
-            expires_at = float(fields["expires_at"])
-            hashes = [int(h) for h in json.loads(fields["hashes"])]
+            capacity = int(fields["capacity"]) if "capacity" in fields else None
+            if capacity is None:
+                expires_at = float(fields["expires_at"])
+                hashes = [int(h) for h in json.loads(fields["hashes"])]
+            elif capacity <= 0:
+                raise ValueError(f"capacity {capacity} is not positive")
         except (KeyError, ValueError, TypeError) as error:
             self.stats.errors += 1
             self.stats.last_error = f"malformed entry {entry_id}: {error!r}"
             return
         if gateway == self.gateway_id:
             self.stats.own += 1
-        elif replica not in known:
+        elif replica not in known or (capacity is not None and not self.index.learns(replica)):
             self.stats.unknown_replica += 1
+        elif capacity is not None:
+            self.index.set_capacity(replica, capacity)
+            self.stats.received += 1
         elif expires_at <= now:
             self.stats.expired += 1
         else:

@@ -8,19 +8,24 @@ the gateway only times the chunks. Cached tokens come from the bundled worker's 
 for a foreign backend from the usage object at the end of its response. A Responses API answer also
 names its response id, which is remembered with its replica (gateway.response_owners).
 
-A replica that cannot be reached, or refuses for overload (429, 503), is skipped for the next in
-the policy's order while nothing has been sent to the client yet. Once bytes flow, the request is
-that replica's. When every choice fails, the client gets a replica's refusal if there was one (429 or
-503, with its Retry-After: the fleet is full, not broken), else 504 if the last attempt timed out
-(`limits.request_timeout_s`), else 502. A client that goes away cancels this handler (aiohttp handler
-cancellation), which closes the upstream connection, which makes a bundled worker abort the sequence
-and free its blocks.
+A replica that cannot be reached, refuses for overload (429, 503), or fails before any output, is
+replaced by the next in the policy's order: a stream's first events that carry no output (vLLM sends
+its headers and an opening role delta as soon as a request is queued) are held back until one does,
+so a replica that dies with requests queued costs their clients nothing (gateway.sse_events). Once
+output flows, the request is that replica's. When every choice fails, the client gets a replica's
+refusal if there was one (429 or 503, with its Retry-After: the fleet is full, not broken), else 504
+if the last attempt timed out (`limits.request_timeout_s`), else 502. A client that goes away cancels
+this handler (aiohttp handler cancellation), which closes the upstream connection, which makes a
+bundled worker abort the sequence and free its blocks.
+
+For a replica whose cache is predicted, what it reports reusing corrects the prediction
+(Predictions.learn). A stream to a foreign one asks for its usage when the client did not
+(`approximate.request_usage`), and that usage event is left out of what the client receives.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,18 +36,19 @@ from aiohttp import web
 
 from gateway.gateway import Gateway
 from gateway.replicas import Replica
-from gateway.request_view import Route
+from gateway.request_view import PREFIX_ROUTES, Route
 from gateway.router import Decision
+from gateway.sse_events import ResponseIdScan, UsageStrip, carries_output, usage_numbers
 from gateway.upstream import UpstreamError, UpstreamResponse
 from protocol.errors import CLIENT_GONE, ApiError
 from protocol.openai_responses import CACHED_TOKENS_HEADER, SSE_DONE, sse
+from radix.index import Predicted
 
 REPLICA_HEADER = "x-prefixgate-replica"
 MATCHED_BLOCKS_HEADER = "x-prefixgate-matched-blocks"
 PREDICTED_CACHED_HEADER = "x-prefixgate-predicted-cached-tokens"
 POLICY_HEADER = "x-prefixgate-policy"
 _RETRY_ELSEWHERE = (429, 503)
-_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _TAIL_BYTES = 2048
 # Set on a request once its outcome is counted, so that the cancellation of a client that left is not
 # counted again, unlabelled, by the middleware.
@@ -56,11 +62,10 @@ _HOP_BY_HOP = {
     "date",
     "server",
 }
-# Routes whose bodies a bundled worker reads with the gateway's token ids attached.
+# Routes whose bodies a bundled worker reads with the gateway's token ids attached, and whose streams
+# a foreign one is asked to end with their usage.
 _ID_ROUTES = frozenset({"chat", "completions"})
 _SSE = "text/event-stream"
-# A streamed Responses answer names its id in its first event; it is looked for this far at most.
-_RESPONSE_ID_SCAN = 16 * 1024
 
 
 @dataclass(slots=True)
@@ -83,21 +88,31 @@ class Routed:
     arrival: float
     # The client's Authorization header, forwarded only when configured.
     authorization: str | None
+    # What the first choice was predicted to hold of the prompt, before this request was recorded there:
+    # what its reported reuse is checked against (Predictions.learn). None: not predicted.
+    predicted: Predicted | None = None
 
 
-def _payload(routed: Routed, replica: Replica) -> bytes:
-    """Bundled workers get the ids the gateway tokenized (no second tokenization); everything else goes
-    as the client sent it, without re-encoding."""
-    if (
-        replica.kind == "bundled"
-        and routed.tokenized
-        and routed.tokens is not None
-        and routed.body is not None
-        and routed.route in _ID_ROUTES
-        and "prefixgate_token_ids" not in routed.body
-    ):
-        return orjson.dumps({**routed.body, "prefixgate_token_ids": routed.tokens})
-    return routed.raw
+def _payload(gw: Gateway, routed: Routed, replica: Replica) -> tuple[bytes, bool]:
+    """What goes to `replica`, and whether a usage event the client did not ask for will come back.
+
+    Bundled workers get the ids the gateway tokenized (no second tokenization); a stream to a foreign
+    replica whose cache is predicted asks for usage; everything else goes as the client sent it."""
+    body = routed.body
+    if body is None or routed.route not in _ID_ROUTES:
+        return routed.raw, False
+    if replica.kind == "bundled":
+        if routed.tokenized and routed.tokens is not None and "prefixgate_token_ids" not in body:
+            return orjson.dumps({**body, "prefixgate_token_ids": routed.tokens}), False
+        return routed.raw, False
+    options = body.get("stream_options")
+    wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+    if body.get("stream") is not True or wants_usage or gw.precise(replica):
+        return routed.raw, False
+    if not gw.config.approximate.request_usage:
+        return routed.raw, False
+    asked = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return orjson.dumps({**body, "stream_options": asked}), True
 
 
 def _upstream_headers(gw: Gateway, routed: Routed, payload: bytes) -> dict[str, str]:
@@ -122,12 +137,13 @@ def _response_headers(upstream: UpstreamResponse, replica: Replica, routed: Rout
     return headers
 
 
-def _cached_tokens(headers: Mapping[str, str], tail: bytes) -> int | None:
+def _usage(headers: Mapping[str, str], tail: bytes) -> tuple[int | None, int | None]:
+    """(prompt_tokens, cached_tokens) as the replica reported them: a bundled worker's header (its
+    prompt is the gateway's), else the usage object at the end of its answer."""
     value = headers.get(CACHED_TOKENS_HEADER)
     if value is not None and value.isdigit():
-        return int(value)
-    found = _CACHED.findall(tail)
-    return int(found[-1]) if found else None
+        return None, int(value)
+    return usage_numbers(tail)
 
 
 async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.StreamResponse:
@@ -152,7 +168,7 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
         view = routed.decision.view_of(rid)
         uncached = max(routed.decision.prompt_tokens - view.cached_tokens, 0)
         handle = gw.replicas.dispatched(replica, time.monotonic(), uncached)
-        payload = _payload(routed, replica)
+        payload, strip_usage = _payload(gw, routed, replica)
         try:
             try:
                 upstream = await gw.upstream.request(
@@ -169,6 +185,7 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
                 gw.metrics.upstream_errors.labels(rid, _kind(error)).inc()
                 last_error = f"replica {rid} could not be reached: {error!r}"
                 last_kind = "timeout" if isinstance(error, TimeoutError) else "error"
+                _retrying(gw, routed, _kind(error), final)
                 continue
             try:
                 if upstream.status in _RETRY_ELSEWHERE and not final:
@@ -176,17 +193,21 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
                     last_error = f"replica {rid} answered {upstream.status}"
                     last_kind = "refused"
                     refusal = _refusal(upstream.status, upstream.headers, routed.model)
+                    _retrying(gw, routed, f"http_{upstream.status}", final)
                     continue
                 if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith(_SSE):
-                    first = await upstream.read_chunk()
-                    return await _relay_stream(gw, request, routed, replica, handle, upstream, first)
+                    first = await _until_output(upstream)
+                    return await _relay_stream(
+                        gw, request, routed, replica, handle, upstream, first, strip_usage
+                    )
                 return await _relay_body(gw, routed, replica, handle, upstream)
             except (TimeoutError, UpstreamError) as error:
-                # The replica failed before the client saw a byte: the next choice can still serve it.
+                # The replica failed before the client saw any output: the next choice can still serve it.
                 gw.mark_failure(replica)
                 gw.metrics.upstream_errors.labels(rid, _kind(error)).inc()
-                last_error = f"replica {rid} failed mid-response: {error!r}"
+                last_error = f"replica {rid} failed before its first output: {error!r}"
                 last_kind = "timeout" if isinstance(error, TimeoutError) else "error"
+                _retrying(gw, routed, _kind(error), final)
                 continue
             except asyncio.CancelledError:
                 if not request.get(ACCOUNTED):
@@ -218,6 +239,20 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
     )
 
 
+async def _until_output(upstream: UpstreamResponse) -> bytes:
+    """A stream's first chunks, up to the first whole event that carries output (or the stream's end):
+    what may be held back from the client while the replica can still be replaced."""
+    held = await upstream.read_chunk()
+    while not upstream.at_end and not carries_output(held):
+        held += await upstream.read_chunk()
+    return held
+
+
+def _retrying(gw: Gateway, routed: Routed, reason: str, final: bool) -> None:
+    if not final:
+        gw.metrics.child(gw.metrics.retries, routed.model, reason).inc()
+
+
 def _kind(error: TimeoutError | UpstreamError) -> str:
     """The upstream_errors label: how the exchange failed."""
     return error.kind if isinstance(error, UpstreamError) else "timeout"
@@ -233,7 +268,9 @@ def _refusal(status: int, headers: Mapping[str, str], model: str) -> ApiError:
     return ApiError(status, f"{message}; retry shortly", code=code, headers={"Retry-After": retry_after})
 
 
-def _account(gw: Gateway, routed: Routed, replica: Replica, status: int, cached: int | None) -> None:
+def _account(
+    gw: Gateway, routed: Routed, replica: Replica, status: int, usage: tuple[int | None, int | None]
+) -> None:
     m = gw.metrics
     m.child(m.requests, routed.model, replica.id, gw.policy.name, str(status), routed.route).inc()
     m.child(m.e2e, routed.model, replica.id).observe(time.monotonic() - routed.arrival)
@@ -243,8 +280,35 @@ def _account(gw: Gateway, routed: Routed, replica: Replica, status: int, cached:
     prompt = routed.decision.prompt_tokens
     m.child(m.prompt_tokens, routed.model, replica.id).inc(prompt)
     m.child(m.predicted_cached, routed.model, replica.id).inc(min(view.cached_tokens, prompt))
+    reported_prompt, cached = usage
     if cached is not None:
         m.child(m.realised_cached, routed.model, replica.id).inc(cached)
+        _learn(gw, routed, replica, reported_prompt, cached)
+
+
+def _learn(gw: Gateway, routed: Routed, replica: Replica, reported_prompt: int | None, cached: int) -> None:
+    """Correct the predicted cache of `replica` by what it reports it reused of this prompt.
+
+    The report counts the replica's own tokens, which need not be the gateway's (another tokenizer):
+    it is read as the share of the prompt reused, and a block short of the prediction is then
+    rounding, not evidence. A replica that was not the first choice was not predicted to hold the
+    prompt; it has it now."""
+    hashes = routed.decision.hashes.get(replica.block_size)
+    if routed.route not in PREFIX_ROUTES or not hashes or gw.precise(replica):
+        return
+    first = replica.id == routed.decision.order[0]
+    predicted = routed.predicted if first else gw.index.predicted(replica.id, hashes)
+    if predicted is None:
+        return
+    ours = routed.decision.prompt_tokens
+    exact = reported_prompt is None or reported_prompt == ours
+    reused = cached if exact else cached * ours // max(reported_prompt or 1, 1)
+    realised = min(reused // replica.block_size, len(hashes))
+    if not exact and realised == predicted.blocks - 1:
+        realised = predicted.blocks
+    gw.predictions.learn(replica.id, predicted, realised)
+    if not first:
+        gw.predictions.record(replica.id, hashes)
 
 
 def _first_token(gw: Gateway, routed: Routed, replica: Replica, handle: int) -> None:
@@ -264,7 +328,7 @@ async def _relay_body(
             response_id = _response_id(body)
             if response_id is not None:
                 await gw.response_owners.remember(response_id, replica.id)
-    _account(gw, routed, replica, upstream.status, _cached_tokens(upstream.headers, body[-_TAIL_BYTES:]))
+    _account(gw, routed, replica, upstream.status, _usage(upstream.headers, body[-_TAIL_BYTES:]))
     return web.Response(
         body=body, status=upstream.status, headers=_response_headers(upstream, replica, routed, gw)
     )
@@ -278,8 +342,9 @@ async def _relay_stream(
     handle: int,
     upstream: UpstreamResponse,
     first: bytes,
+    strip_usage: bool,
 ) -> web.StreamResponse:
-    """Relay from the first chunk on. If the replica fails once bytes have reached the client, the
+    """Relay from the first output on. If the replica fails once output has reached the client, the
     stream ends the way OpenAI streams report errors: an error event, then [DONE]."""
     _first_token(gw, routed, replica, handle)
     response = web.StreamResponse(status=200, headers=_response_headers(upstream, replica, routed, gw))
@@ -287,31 +352,35 @@ async def _relay_stream(
     status = 200
     # A Responses stream names its response in its first event: remembered with its replica, and known
     # everywhere before the client has the whole answer.
-    scan = _ResponseIdScan() if routed.route == "responses" else None
+    scan = ResponseIdScan() if routed.route == "responses" else None
     remembered: list[asyncio.Future[None]] = []
+    strip = UsageStrip() if strip_usage else None
 
-    def watch(data: bytes) -> None:
+    def watch(data: bytes) -> bytes:
         found = scan.feed(data) if scan is not None else None
         if found is not None:
             remembered.append(asyncio.ensure_future(gw.response_owners.remember(found, replica.id)))
+        return strip.feed(data) if strip is not None else data
 
-    watch(first)
     try:
         await response.prepare(request)
         itl = gw.metrics.child(gw.metrics.itl, routed.model)
-        chunk, last = first, time.monotonic()
+        chunk, last = watch(first), time.monotonic()
         try:
             # Chunks go out as they came, the last with the end of the stream in the same write (and
             # the headers too, for an answer whole in its first chunk): one send, one client wake-up.
             while not upstream.at_end:
-                await response.write(chunk)
+                if chunk:
+                    await response.write(chunk)
                 chunk = await upstream.read_chunk()
                 if chunk:
                     now = time.monotonic()
                     itl.observe(now - last)
                     last = now
                     tail = (tail + chunk)[-_TAIL_BYTES:]
-                    watch(chunk)
+                    chunk = watch(chunk)
+            if strip is not None:
+                chunk += strip.flush()
         except (TimeoutError, UpstreamError) as error:
             gw.mark_failure(replica)
             gw.metrics.upstream_errors.labels(replica.id, _kind(error)).inc()
@@ -331,12 +400,12 @@ async def _relay_stream(
         # the replica's end of stream.
         if status == 200 and not tail.endswith(SSE_DONE):
             status = CLIENT_GONE
-        _account(gw, routed, replica, status, _cached_tokens(upstream.headers, tail))
+        _account(gw, routed, replica, status, _usage(upstream.headers, tail))
         request[ACCOUNTED] = True
         if isinstance(error, asyncio.CancelledError):
             raise
         return response
-    _account(gw, routed, replica, status, _cached_tokens(upstream.headers, tail))
+    _account(gw, routed, replica, status, _usage(upstream.headers, tail))
     return response
 
 
@@ -348,37 +417,3 @@ def _response_id(body: bytes) -> str | None:
         return None
     found = parsed.get("id") if isinstance(parsed, dict) else None
     return found if isinstance(found, str) and found else None
-
-
-class _ResponseIdScan:
-    """The head of a Responses stream, read until the response's id shows in it (or for
-    _RESPONSE_ID_SCAN bytes at most)."""
-
-    def __init__(self) -> None:
-        self.head = b""
-        self.done = False
-
-    def feed(self, data: bytes) -> str | None:
-        if self.done:
-            return None
-        self.head += data
-        found = _response_id_in_events(self.head)
-        self.done = found is not None or len(self.head) > _RESPONSE_ID_SCAN
-        return found
-
-
-def _response_id_in_events(data: bytes) -> str | None:
-    """The response id a Responses stream announces (`response.created`, whose `response` is the
-    response object), from the complete events in `data`."""
-    for line in data.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
-        try:
-            event = orjson.loads(line[5:])
-        except orjson.JSONDecodeError:
-            continue  # an event cut at the chunk's end, or not JSON
-        response = event.get("response") if isinstance(event, dict) else None
-        found = response.get("id") if isinstance(response, dict) else None
-        if isinstance(found, str) and found:
-            return found
-    return None

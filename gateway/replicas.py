@@ -49,11 +49,13 @@ class Replica:
     kind: Kind
     model: str
     block_size: int
-    # KV blocks: a bundled worker's pool, or a foreign backend's configured estimate.
-    capacity_blocks: int
+    # KV blocks: a bundled worker's pool, or a foreign backend's configured prior (None: none given).
+    capacity_blocks: int | None
     max_context_len: int
     source: Source
     prefill_rate: float
+    # TTFTs the prefill rate was learned from (gateway.router pools the rates of replicas with few).
+    rate_samples: int = 0
     max_waiting: int = 256
     incarnation: str | None = None
     healthy: bool = True
@@ -81,7 +83,9 @@ class Replica:
                 queued += req.prefill_tokens
         return running, waiting, queued
 
-    def view(self, matched_blocks: int) -> ReplicaView:
+    def view(self, matched_blocks: int, cached_blocks: int, prefill_rate: float) -> ReplicaView:
+        """What a policy sees: this request's match, the load, how many blocks the index holds for the
+        replica in all (how full its cache is believed to be), and the prefill rate to route by."""
         running, waiting, queued = self.load()
         return ReplicaView(
             id=self.id,
@@ -92,7 +96,8 @@ class Replica:
             waiting=waiting,
             queued_prefill_tokens=queued,
             max_waiting=self.max_waiting,
-            prefill_rate=self.prefill_rate,
+            prefill_rate=prefill_rate,
+            cached_blocks=cached_blocks,
         )
 
     def to_json(self) -> dict[str, object]:
@@ -176,6 +181,7 @@ class ReplicaSet:
         work = req.prefill_tokens + req.queued_ahead
         if req.prefill_tokens >= min_tokens and ttft_s > 0:
             replica.prefill_rate += alpha * (work / ttft_s - replica.prefill_rate)
+            replica.rate_samples += 1
 
     @staticmethod
     def finished(replica: Replica, handle: int) -> None:

@@ -2,16 +2,30 @@
 
 Pure: the prompt's token ids in, an ordered choice and its explanation out. Hashes are computed once
 per distinct block size among the model's replicas, since a hash chain depends on the block size.
+
+The prefill rates the policy weighs are pooled: each replica's is learned from its own TTFTs, which
+also hold network, scheduling and a decode step, so replicas of one speed learn rates tens of
+percent apart. Routed by them, a fleet of equal replicas sent every new prefix to whichever looked
+fastest, and one that missed the first requests kept its prior, looked slowest, and got nothing
+ever after. So a replica routes by the median of its peers' learned rates unless its own, learned
+from enough TTFTs, differs from it by more than DISTINCT_RATE: then it is another kind of replica
+(another GPU, another model size), and its own rate is what sets it apart.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
 from gateway.replicas import Replica
 from policies import Policy, ReplicaView, RouteRequest
 from radix import RadixIndex, block_hashes
+
+# A learned rate this far from the peers' median marks a replica of another speed.
+DISTINCT_RATE = 0.3
+# TTFTs a rate must be learned from before it counts.
+MIN_RATE_SAMPLES = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +82,8 @@ def decide(
             # Chains of different block sizes never share a hash, so the matches never collide.
             if chain:
                 matched |= index.match(chain)
-    views = [r.view(matched.get(r.id, 0)) for r in replicas]
+    rates = routing_rates(replicas)
+    views = [r.view(matched.get(r.id, 0), index.blocks_of(r.id), rates[r.id]) for r in replicas]
     first = min(hashes) if hashes else None
     request = RouteRequest(
         prompt_tokens=len(tokens or ()),
@@ -77,3 +92,17 @@ def decide(
     )
     order = policy.choose(request, views)
     return Decision(order, views, hashes, len(tokens or ()), time.perf_counter() - start)
+
+
+def routing_rates(replicas: list[Replica]) -> dict[str, float]:
+    """The prefill rate each replica is routed by: the peers' median, or its own when it is distinct."""
+    learned = [r.prefill_rate for r in replicas if r.rate_samples >= MIN_RATE_SAMPLES]
+    if not learned:
+        return {r.id: r.prefill_rate for r in replicas}
+    pooled = statistics.median(learned)
+    return {
+        r.id: r.prefill_rate
+        if r.rate_samples >= MIN_RATE_SAMPLES and abs(r.prefill_rate / pooled - 1) > DISTINCT_RATE
+        else pooled
+        for r in replicas
+    }

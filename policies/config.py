@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from policies.cache_threshold import CacheThreshold, CacheThresholdConfig
 from policies.least_load import LeastLoad, LeastLoadConfig
 from policies.power_of_two import PowerOfTwo, PowerOfTwoConfig
 from policies.prefix_aware import PrefixAware, PrefixAwareConfig
@@ -15,7 +16,13 @@ from policies.session_affinity import SessionAffinity, SessionAffinityConfig
 from policies.view import Policy
 
 PolicyName = Literal[
-    "round_robin", "random", "least_load", "power_of_two", "session_affinity", "prefix_aware"
+    "round_robin",
+    "random",
+    "least_load",
+    "power_of_two",
+    "session_affinity",
+    "prefix_aware",
+    "cache_threshold",
 ]
 
 
@@ -30,6 +37,7 @@ class RoutingConfig(BaseModel):
     power_of_two: PowerOfTwoConfig = PowerOfTwoConfig()
     session_affinity: SessionAffinityConfig = SessionAffinityConfig()
     prefix_aware: PrefixAwareConfig = PrefixAwareConfig()
+    cache_threshold: CacheThresholdConfig = CacheThresholdConfig()
 
 
 class ConfigError(ValueError):
@@ -63,5 +71,6 @@ def build_policy(config: RoutingConfig) -> Policy:
         "power_of_two": lambda: PowerOfTwo(config.power_of_two),
         "session_affinity": lambda: SessionAffinity(config.session_affinity),
         "prefix_aware": lambda: PrefixAware(config.prefix_aware),
+        "cache_threshold": lambda: CacheThreshold(config.cache_threshold),
     }
     return factories[config.policy]()

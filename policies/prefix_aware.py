@@ -21,11 +21,16 @@ stick to the overloaded ones. Such requests are placed for balance, and cache af
 from their second turn. The hot-spot guard bounds the failure of that trade when rates are misjudged: a
 saturated replica (its queue at its limit, or more than `max_share` of the fleet's outstanding
 requests) ranks after every unsaturated one, so a popular prefix spills to other replicas and gets
-cached there too. Equal estimates are broken by the prompt's first block: distinct prefixes spread
-over the fleet whatever order they come in (a rotation by call count aliases with the traffic: new
-prefixes arriving every other request all landed on the same replica), and one prefix's ties go
-where it went before. Prompts shorter than a block rotate, so an idle fleet with no cache hits is
-spread evenly either way.
+cached there too.
+
+Estimates within `tie_tolerance_s` of the best are equal. Equal ones go to the least prefill work
+queued, then the fewest requests, then the emptiest cache (a new prefix evicts least there, and
+caches fill evenly), then by the prompt's first block: distinct prefixes spread over the fleet
+whatever order they come in (a rotation by call count aliases with the traffic: new prefixes
+arriving every other request all landed on the same replica), and one prefix's ties go where it
+went before. Prompts shorter than a block rotate, so an idle fleet with no cache hits is spread
+evenly either way. (The prefill rates the estimates divide by are the gateway's, which counts the
+replicas of one speed as one: gateway.router.)
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ class PrefixAwareConfig(BaseModel):
     recompute_penalty: float = Field(3.0, ge=0.0, le=100.0)
     # A request whose best match covers less of its prompt than this is placed for balance alone.
     min_match_ratio: float = Field(0.25, ge=0.0, le=1.0)
-    # Estimates closer than this are a tie, broken by rotation to spread load.
+    # Estimates closer than this to the best are a tie, broken by queued work, load, cache fill, prefix.
     tie_tolerance_s: float = Field(0.001, ge=0.0, le=10.0)
     seed: int = 0
 
@@ -101,19 +106,17 @@ class PrefixAware:
         if best_cached < self.config.min_match_ratio * request.prompt_tokens:
             candidates = [replace(r, matched_blocks=0) for r in candidates]
             best_cached = 0
-        rows = [
-            (self.saturated(r, outstanding), self.score(request, r, best_cached), r.id) for r in candidates
-        ]
+        rows = [(self.saturated(r, outstanding), self.score(request, r, best_cached), r) for r in candidates]
         best_saturated, best_cost, _ = min(rows, key=lambda row: (row[0], row[1]))
         tolerance = self.config.tie_tolerance_s
 
-        def rank(row: tuple[bool, float, str]) -> tuple[bool, float]:
-            saturated, cost, _ = row
+        def rank(row: tuple[bool, float, ReplicaView]) -> tuple[bool, float, int, int, int]:
+            saturated, cost, r = row
             if saturated == best_saturated and cost - best_cost <= tolerance:
-                return saturated, best_cost
-            return saturated, cost
+                return saturated, best_cost, r.queued_prefill_tokens, r.load, r.cached_blocks
+            return saturated, cost, 0, 0, 0
 
-        order = sorted(rows, key=rank)
+        order = [(saturated, cost, r.id) for saturated, cost, r in sorted(rows, key=rank)]
         if self.config.temperature > 0.0 and len(order) > 1:
             order = self._sample_first(order)
         return [row[2] for row in order]

@@ -36,6 +36,9 @@ class ReplicaView:
     max_waiting: int = 64
     # Prompt tokens per second the replica prefills; learned by the gateway from observed TTFTs.
     prefill_rate: float = 10_000.0
+    # KV blocks the index holds for this replica (all prefixes, not just this request's): how full
+    # its cache is believed to be, which cache_threshold reads to place unmatched prompts.
+    cached_blocks: int = 0
 
     @property
     def load(self) -> int:

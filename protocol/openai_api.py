@@ -355,11 +355,15 @@ def _message(message: Any, where: str) -> Message:
             if not isinstance(value, str):
                 raise _bad("messages", f"{where}.{key} must be a string")
             out[key] = value
-    if role == "assistant":
-        if calls is not None:
-            out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
-        if legacy_call is not None:
-            out["function_call"] = _function(legacy_call, f"{where}.function_call")
+    # Checked whatever the role; only an assistant's calls are history the template renders.
+    if calls is not None:
+        checked = _tool_calls(calls, f"{where}.tool_calls")
+        if role == "assistant":
+            out["tool_calls"] = checked
+    if legacy_call is not None:
+        function = _function(legacy_call, f"{where}.function_call")
+        if role == "assistant":
+            out["function_call"] = function
     return out
 
 

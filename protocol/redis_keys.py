@@ -18,6 +18,8 @@ the workers that write them and the gateways that read them cannot drift apart.
   fields `gateway` (the writer's id, so it can skip its own), `replica` (a worker id), `expires_at`
   (Unix seconds, a decimal float) and `hashes` (the request's block hashes as a JSON list). Every gateway
   inserts the others' entries into its index with that expiry, so all of them predict the same cache.
+  An entry with `capacity` (decimal blocks) instead of `expires_at` and `hashes` is a capacity a gateway
+  learned for that replica from what it reported reusing; the others bound their predictions by it.
 - `prefixgate:response:{id}` (string, expires): written by gateways. The id of the replica that produced
   the Responses API response `id`, the only one that can continue it (`previous_response_id`).
 """

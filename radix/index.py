@@ -9,6 +9,13 @@ Each replica also keeps its blocks in LRU order, for the two places that need to
 bound per replica (approximate mode, where the gateway predicts a foreign backend's cache and has
 no eviction events to follow) and a global bound on entries that caps the gateway's memory.
 Predicted entries can expire; exact entries (from KV events) live until removed.
+
+A predicted replica's capacity is learned (`correct`) from what the replica reports it reused, so a
+configured capacity is only a prior, in whatever unit it was given, or none at all. The model is the
+replica's own LRU: a block it lacked was evicted, and so was every block used before it, so those go
+and the capacity is at most what is left; a block it held that the capacity bound had dropped (a
+"ghost", remembered as ARC remembers them) says that it holds at least what the bound kept plus
+every block the bound dropped since that one.
 """
 
 from __future__ import annotations
@@ -20,6 +27,28 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 NEVER = math.inf
+# A learned capacity never goes below this many blocks: one odd report (a replica that restarted)
+# must not leave the gateway predicting nothing.
+MIN_LEARNED_CAPACITY = 64
+# Evicted blocks remembered per block of capacity: a bound set this many times too tight can still
+# see the evidence that it is (a reuse of a block it dropped) and grow.
+GHOSTS_PER_BLOCK = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    """What a learning replica was predicted to hold of a request's prefix, taken before the request
+    was recorded there (which touches its blocks again): when each leading block held was last used,
+    and how many blocks after those the capacity bound had dropped."""
+
+    ticks: tuple[int, ...]
+    # For each block after the held ones that the capacity bound had dropped, in order: how many
+    # blocks it has dropped since (1 for the latest).
+    ghosted: tuple[int, ...]
+
+    @property
+    def blocks(self) -> int:
+        return len(self.ticks)
 
 
 @dataclass(slots=True)
@@ -28,6 +57,13 @@ class _Replica:
     capacity: int | None
     # hash -> expiry time (NEVER for exact entries); least recently used first.
     blocks: OrderedDict[int, float] = field(default_factory=OrderedDict)
+    # Learning replicas only (approximate mode): when each block was last used, by a counter of uses
+    # that grows along `blocks`' order, and the blocks the capacity bound evicted lately.
+    ticks: dict[int, int] | None = None
+    # Dropped hash -> the count of drops when it was dropped.
+    ghosts: OrderedDict[int, int] | None = None
+    tick: int = 0
+    dropped: int = 0
 
 
 class RadixIndex:
@@ -48,8 +84,9 @@ class RadixIndex:
 
     # -- replicas ---------------------------------------------------------------------------
 
-    def add_replica(self, replica: str, capacity_blocks: int | None = None) -> None:
-        """Start tracking a replica; `capacity_blocks` bounds its entries with LRU eviction."""
+    def add_replica(self, replica: str, capacity_blocks: int | None = None, *, learn: bool = False) -> None:
+        """Start tracking a replica; `capacity_blocks` bounds its entries with LRU eviction. A `learn`ing
+        replica (one whose cache is predicted) has that bound corrected by `correct`."""
         if replica in self._replicas:
             raise ValueError(f"replica {replica!r} is already in the index")
         if capacity_blocks is not None and capacity_blocks <= 0:
@@ -59,7 +96,10 @@ class RadixIndex:
             self._names.append(replica)
         else:
             self._names[bit] = replica
-        self._replicas[replica] = _Replica(bit=bit, capacity=capacity_blocks)
+        state = _Replica(bit=bit, capacity=capacity_blocks)
+        if learn:
+            state.ticks, state.ghosts = {}, OrderedDict()
+        self._replicas[replica] = state
 
     def drop_replica(self, replica: str) -> None:
         """Forget a replica and everything it held."""
@@ -83,6 +123,9 @@ class RadixIndex:
                 self._timed -= 1
         self._entries -= len(state.blocks)
         state.blocks.clear()
+        if state.ticks is not None and state.ghosts is not None:
+            state.ticks.clear()
+            state.ghosts.clear()
 
     @property
     def replicas(self) -> list[str]:
@@ -90,6 +133,14 @@ class RadixIndex:
 
     def blocks_of(self, replica: str) -> int:
         return len(self._state(replica).blocks)
+
+    def learns(self, replica: str) -> bool:
+        """Whether the replica's capacity bound is learned (approximate mode)."""
+        return self._state(replica).ticks is not None
+
+    def capacity_of(self, replica: str) -> int | None:
+        """The replica's capacity bound in blocks, as configured or learned (None: unbounded)."""
+        return self._state(replica).capacity
 
     def holds(self, replica: str, block_hash: int) -> bool:
         return block_hash in self._state(replica).blocks
@@ -118,7 +169,7 @@ class RadixIndex:
         if self.max_entries is not None:
             while self._entries > self.max_entries:
                 largest = max(self._replicas.items(), key=lambda item: len(item[1].blocks))
-                self._evict_oldest(*largest)
+                self._evict_oldest(*largest, ghost=False)
         if len(self._deadlines) > 2 * self._timed + 1024:
             self._compact_deadlines()
 
@@ -129,10 +180,13 @@ class RadixIndex:
         holders = self._holders
         keep = ~(1 << state.bit)
         removed = timed = 0
+        ticks = state.ticks
         for h in hashes:
             expiry = pop(h, None)
             if expiry is None:
                 continue
+            if ticks is not None:
+                del ticks[h]
             rest = holders[h] & keep
             if rest:
                 holders[h] = rest
@@ -153,6 +207,8 @@ class RadixIndex:
             state = self._replicas.get(replica)
             if state is not None and state.blocks.get(h) == expiry:
                 del state.blocks[h]
+                if state.ticks is not None:
+                    del state.ticks[h]
                 self._forget(h, state.bit, expiry)
                 dropped += 1
         return dropped
@@ -181,6 +237,61 @@ class RadixIndex:
             result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
             alive ^= low
         return result
+
+    def predicted(self, replica: str, hashes: Sequence[int]) -> Predicted:
+        """What `correct` will check a learning replica's report on this request against."""
+        state = self._state(replica)
+        ticks, ghosts = state.ticks, state.ghosts
+        if ticks is None or ghosts is None:
+            raise ValueError(f"replica {replica!r} does not learn its capacity")
+        held = []
+        for h in hashes:
+            tick = ticks.get(h)
+            if tick is None:
+                break
+            held.append(tick)
+        ghosted = []
+        for h in hashes[len(held) :]:
+            when = ghosts.get(h)
+            if when is None:
+                break
+            ghosted.append(state.dropped - when + 1)
+        return Predicted(tuple(held), tuple(ghosted))
+
+    def set_capacity(self, replica: str, capacity_blocks: int) -> None:
+        """A capacity learned elsewhere (another gateway's `correct`): the bound, enforced now."""
+        if capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        state = self._state(replica)
+        state.capacity = capacity_blocks
+        while len(state.blocks) > capacity_blocks:
+            self._evict_oldest(replica, state)
+
+    # -- learning ---------------------------------------------------------------------------
+
+    def correct(self, replica: str, predicted: Predicted, realised: int) -> None:
+        """A request was `predicted` to find its first `predicted.blocks` blocks cached on `replica`,
+        and the replica reports it reused the first `realised`.
+
+        Fewer: the first block it lacked, and every block last used before it, are not there: they
+        go, and the capacity is at most what is left. More: the replica held blocks the capacity
+        bound had dropped: it holds at least what the bound keeps and every block the bound dropped
+        since the earliest of them.
+        """
+        state = self._state(replica)
+        ticks = state.ticks
+        if ticks is None:
+            raise ValueError(f"replica {replica!r} does not learn its capacity")
+        if realised < predicted.blocks:
+            lacked = predicted.ticks[realised]
+            blocks = state.blocks
+            while blocks and ticks[next(iter(blocks))] <= lacked:
+                self._evict_oldest(replica, state, ghost=False)
+            left = max(len(blocks), MIN_LEARNED_CAPACITY)
+            state.capacity = left if state.capacity is None else min(state.capacity, left)
+        elif state.capacity is not None and realised > predicted.blocks and predicted.ghosted:
+            regained = predicted.ghosted[: realised - predicted.blocks]
+            state.capacity = max(state.capacity, len(state.blocks) + max(regained))
 
     # -- internals --------------------------------------------------------------------------
 
@@ -211,7 +322,12 @@ class RadixIndex:
         blocks = state.blocks
         holders = self._holders
         bit = 1 << state.bit
+        ticks, ghosts = state.ticks, state.ghosts
         for h in reversed(hashes):
+            if ticks is not None and ghosts is not None:
+                ticks[h] = state.tick
+                state.tick += 1
+                ghosts.pop(h, None)
             old = blocks.get(h)
             if old is None:
                 blocks[h] = expires_at
@@ -230,9 +346,19 @@ class RadixIndex:
             raise KeyError(f"replica {replica!r} is not in the index")
         return state
 
-    def _evict_oldest(self, replica: str, state: _Replica) -> None:
+    def _evict_oldest(self, replica: str, state: _Replica, ghost: bool = True) -> None:
+        """Drop the least recently used block; a learning replica's capacity bound remembers it."""
         h, expiry = state.blocks.popitem(last=False)
         self._forget(h, state.bit, expiry)
+        if state.ticks is not None:
+            del state.ticks[h]
+        ghosts = state.ghosts
+        if ghost and ghosts is not None:
+            state.dropped += 1
+            ghosts[h] = state.dropped
+            ghosts.move_to_end(h)
+            while len(ghosts) > GHOSTS_PER_BLOCK * max(state.capacity or 0, MIN_LEARNED_CAPACITY):
+                ghosts.popitem(last=False)
 
     def _forget(self, h: int, bit: int, expiry: float) -> None:
         rest = self._holders[h] & ~(1 << bit)

@@ -3,7 +3,8 @@
 Assembly is split so that other engines and transports slot in without touching the rest:
 `build_engine` makes the engine from the flags (the model, or with `--sim` the simulated engine),
 `build_worker` wraps it with its event log, and `extra_contexts` lists the app's extra start-up
-contexts (with `--redis`, the publisher of the registry entry, KV events and load). Heavy imports
+contexts (with `--redis`, the publisher of the registry entry, KV events and load; with
+`--kv-events-zmq`, the publisher of KV events in vLLM's wire format). Heavy imports
 (torch, the model) happen only when a worker runs.
 """
 
@@ -53,6 +54,15 @@ def _seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
     return value
+
+
+def _zmq_endpoint(text: str) -> str:
+    from protocol.vllm_kv_events import check_endpoint
+
+    try:
+        return check_endpoint(text, bind=True)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} {error}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +120,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     redis.add_argument("--load-period", type=_seconds, default=0.2, help="load report period (s)")
     redis.add_argument(
         "--stream-maxlen", type=_positive, default=10_000, help="KV event batches the stream keeps (about)"
+    )
+    zmq = parser.add_argument_group("KV events in vLLM's wire format")
+    zmq.add_argument(
+        "--kv-events-zmq",
+        type=_zmq_endpoint,
+        default=None,
+        metavar="ADDR",
+        help="publish KV events as vLLM does (ZMQ PUB bound to tcp://HOST:PORT or ipc://PATH)",
+    )
+    zmq.add_argument(
+        "--kv-events-replay",
+        type=_zmq_endpoint,
+        default=None,
+        metavar="ADDR",
+        help="the replay (ROUTER) socket (default: the --kv-events-zmq host, port + 1)",
     )
 
 
@@ -170,7 +195,8 @@ def build_worker(args: argparse.Namespace) -> Worker:
     from workers.kv_events import KVEventLog
     from workers.server import Worker
 
-    events = KVEventLog()
+    # vLLM's events carry each stored block's tokens, which the log keeps only for that publisher.
+    events = KVEventLog(keep_tokens=args.kv_events_zmq is not None)
     engine, backend = build_engine(args, events)
     worker_id = args.worker_id or f"{socket.gethostname()}:{args.port}"
     return Worker.around(
@@ -191,19 +217,27 @@ def advertise_url(args: argparse.Namespace) -> str:
 
 
 def extra_contexts(args: argparse.Namespace) -> list[Context]:
-    """Start-up contexts beyond the HTTP API: the Redis publisher, when --redis is given."""
-    if args.redis is None:
-        return []
-    from workers.redis_publisher import PublisherConfig, redis_context
+    """Start-up contexts beyond the HTTP API: the Redis publisher, when --redis is given, and the
+    vLLM-format ZMQ publisher, when --kv-events-zmq is."""
+    contexts: list[Context] = []
+    if args.redis is not None:
+        from workers.redis_publisher import PublisherConfig, redis_context
 
-    config = PublisherConfig(
-        redis_url=args.redis,
-        advertise_url=advertise_url(args),
-        heartbeat_s=args.heartbeat,
-        load_period_s=args.load_period,
-        stream_maxlen=args.stream_maxlen,
-    )
-    return [redis_context(config)]
+        config = PublisherConfig(
+            redis_url=args.redis,
+            advertise_url=advertise_url(args),
+            heartbeat_s=args.heartbeat,
+            load_period_s=args.load_period,
+            stream_maxlen=args.stream_maxlen,
+        )
+        contexts.append(redis_context(config))
+    if args.kv_events_zmq is not None:
+        from protocol.vllm_kv_events import default_replay_endpoint
+        from workers.zmq_publisher import ZmqPublisherConfig, zmq_context
+
+        replay = args.kv_events_replay or default_replay_endpoint(args.kv_events_zmq)
+        contexts.append(zmq_context(ZmqPublisherConfig(args.kv_events_zmq, replay)))
+    return contexts
 
 
 def run(args: argparse.Namespace) -> int:

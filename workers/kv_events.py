@@ -5,7 +5,9 @@ list under a lock; whoever serves readers seals that list into the next numbered
 its own mirror of the cached set, built from sealed batches alone, so a snapshot names exactly the
 sequence number it is consistent with, and nothing ever reads the block manager across threads.
 
-The batches are protocol.kv_events' wire format.
+The batches are protocol.kv_events' wire format. A log that keeps tokens (for the vLLM-format
+publisher, workers/zmq_publisher.py) records its stored events as `StoredBlocks`, which also carry
+their blocks' token ids; their JSON is the same.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import islice
 
 from protocol.kv_events import EventBatch, KVEvent, Snapshot, apply_event
+from radix.hashing import pack_tokens
 
 
 class EventsGone(LookupError):
@@ -30,6 +34,14 @@ class EventsGone(LookupError):
         )
         self.incarnation = incarnation
         self.seq = seq
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlocks(KVEvent):
+    """A `stored` event with its blocks' token ids, packed as radix.hashing packs them (4 bytes a
+    token): the ring holds thousands of batches, and a Python int per token would cost 9 times more."""
+
+    packed_tokens: bytes = b""
 
 
 def new_incarnation() -> str:
@@ -50,11 +62,14 @@ class KVEventLog:
         incarnation: str | None = None,
         capacity: int = 4096,
         on_pending: Callable[[], None] | None = None,
+        *,
+        keep_tokens: bool = False,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.incarnation = incarnation or new_incarnation()
         self.on_pending = on_pending
+        self.keep_tokens = keep_tokens
         self._lock = threading.Lock()
         self._pending: list[KVEvent] = [KVEvent("cleared")]
         self._batches: deque[EventBatch] = deque(maxlen=capacity)
@@ -67,6 +82,9 @@ class KVEventLog:
     def on_stored(self, hashes: list[int], parent: int | None) -> None:
         self._append(KVEvent("stored", tuple(hashes), parent))
 
+    def on_stored_tokens(self, hashes: list[int], parent: int | None, token_ids: Sequence[int]) -> None:
+        self._append(StoredBlocks("stored", tuple(hashes), parent, pack_tokens(token_ids)))
+
     def on_removed(self, hashes: list[int]) -> None:
         self._append(KVEvent("removed", tuple(hashes)))
 
@@ -75,7 +93,10 @@ class KVEventLog:
 
     def callbacks(self) -> dict[str, Callable[..., None]]:
         """The keyword arguments that wire an engine (real or simulated) to this log."""
-        return {"on_stored": self.on_stored, "on_removed": self.on_removed, "on_cleared": self.on_cleared}
+        stored = (
+            {"on_stored_tokens": self.on_stored_tokens} if self.keep_tokens else {"on_stored": self.on_stored}
+        )
+        return stored | {"on_removed": self.on_removed, "on_cleared": self.on_cleared}
 
     def _append(self, event: KVEvent) -> None:
         with self._lock:

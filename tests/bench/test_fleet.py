@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from bench.fleet import jobs_of, pooled_hit_rate, simulate
-from bench.trace import load_trace, prompt_tokens, write_conversation_trace
+from bench.trace import load_trace, prompt_tokens, trace_sessions, write_conversation_trace
+from bench.workloads import AgentParams, GroupedParams, agent_sessions, grouped_sessions, total_turns
 from gateway.cli import main
 from policies import RoutingConfig
 from radix import block_hashes
@@ -20,6 +21,7 @@ PROFILE = get_profile("h100-8b")
 
 def test_prefix_aware_beats_round_robin_on_cache_and_ttft(tmp_path: Path) -> None:
     trace = load_trace(write_conversation_trace(tmp_path / "t.jsonl", conversations=40, turns=4), speed=4.0)
+    trace = trace_sessions(trace, PROFILE.vocab_size)
     rr = simulate(trace, RoutingConfig(policy="round_robin"), PROFILE, 4)
     aware = simulate(trace, RoutingConfig(policy="prefix_aware"), PROFILE, 4)
     approx = simulate(trace, RoutingConfig(policy="prefix_aware"), PROFILE, 4, mode="approximate")
@@ -70,9 +72,59 @@ def test_pooled_bound_counts_every_repeated_block_with_room_enough(tmp_path: Pat
         expected += bs * next((i for i, h in enumerate(usable) if h not in seen), len(usable))
         seen.update(hashes)
     assert expected > 0
-    assert pooled_hit_rate(trace, roomy, 1) == pytest.approx(expected / sum(r.input_length for r in trace))
+    assert pooled_hit_rate(trace_sessions(trace, roomy.vocab_size), roomy, 1) == pytest.approx(
+        expected / sum(r.input_length for r in trace)
+    )
 
 
-def test_jobs_run_approximate_mode_for_prefix_aware_only() -> None:
-    jobs = jobs_of(["round_robin", "prefix_aware"], ["precise", "approximate"])
-    assert jobs == [("round_robin", "precise"), ("prefix_aware", "precise"), ("prefix_aware", "approximate")]
+def test_jobs_run_approximate_mode_for_the_index_policies_only() -> None:
+    jobs = jobs_of(["round_robin", "prefix_aware", "cache_threshold"], ["precise", "approximate"])
+    assert jobs == [
+        ("round_robin", "precise"),
+        ("prefix_aware", "precise"),
+        ("cache_threshold", "precise"),
+        ("prefix_aware", "approximate"),
+        ("cache_threshold", "approximate"),
+    ]
+
+
+def test_agent_sessions_are_closed_loop_in_virtual_time() -> None:
+    """A session's next turn waits for the answer and the think time: with think times of an hour,
+    the run's virtual span covers them, and every later turn hits the cache its previous one left."""
+    params = AgentParams(sessions=2, tenants=2, min_turns=3, max_turns=3, think_base_s=3600.0)
+    sessions = agent_sessions(params)
+    result = simulate(sessions, RoutingConfig(policy="cache_threshold"), PROFILE, 2)
+    assert result.completed == total_turns(sessions) == 6 and result.rejected == 0
+    # Throughput is output tokens over the run's virtual span, which covers two hours of thinking.
+    produced = sum(t.max_tokens for s in sessions for t in s.turns)
+    assert result.throughput_tok_s <= produced / (2 * 3600)
+    assert result.hit_rate >= 0.95 * pooled_hit_rate(sessions, PROFILE, 2) > 0
+
+
+def test_cli_runs_the_agent_workload_for_the_index_policies_in_both_modes(tmp_path: Path) -> None:
+    out = tmp_path / "agent.json"
+    argv = ["bench", "fleet", "--workload", "agent", "--sessions", "8", "--replicas", "2"]
+    main([*argv, "--policies", "prefix_aware", "cache_threshold", "--json", str(out)])
+    payload = json.loads(out.read_text())
+    assert out.with_suffix(".png").exists()
+    assert payload["workload"] == "agent"
+    assert payload["requests"] == total_turns(agent_sessions(AgentParams(sessions=8)))
+    assert set(payload["policies"]) == {
+        "prefix_aware",
+        "cache_threshold",
+        "prefix_aware_approximate",
+        "cache_threshold_approximate",
+    }
+    for row in payload["policies"].values():
+        assert 0 < row["hit_rate"] <= payload["pooled_bound"]["hit_rate"] + 1e-9
+        assert row["ttft_p50_s"] <= row["ttft_p99_s"] and row["imbalance"] >= 1
+
+
+def test_grouped_workload_prefers_the_cache_policies_over_round_robin() -> None:
+    sessions = grouped_sessions(GroupedParams(groups=12, rate=20.0))
+    small = replace(PROFILE, block_size=16, kv_capacity_tokens=16 * 1024)
+    rr = simulate(sessions, RoutingConfig(policy="round_robin"), small, 4)
+    for policy in ("prefix_aware", "cache_threshold"):
+        aware = simulate(sessions, RoutingConfig(policy=policy), small, 4)
+        assert aware.completed == len(sessions)
+        assert aware.hit_rate > rr.hit_rate + 0.1, policy

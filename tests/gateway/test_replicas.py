@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.replicas import LoadReport, Replica, ReplicaSet
-from gateway.router import decide
+from gateway.router import decide, routing_rates
 from policies import RoutingConfig, build_policy
 from radix import RadixIndex, block_hashes
 
@@ -66,11 +66,11 @@ def test_the_prefill_rate_learns_from_ttfts_of_real_prefills() -> None:
 
 def test_draining_and_unhealthy_replicas_are_not_routable() -> None:
     r = replica("a")
-    assert r.view(0).healthy
+    assert r.view(0, 0, r.prefill_rate).healthy
     r.draining = True
-    assert not r.view(0).healthy
+    assert not r.view(0, 0, r.prefill_rate).healthy
     r.draining, r.healthy = False, False
-    assert not r.view(0).healthy
+    assert not r.view(0, 0, r.prefill_rate).healthy
 
 
 def test_decide_matches_per_block_size_and_prefers_the_holder() -> None:
@@ -97,3 +97,19 @@ def test_decide_without_tokens_still_routes() -> None:
         index.add_replica(r.id)
     decision = decide(build_policy(RoutingConfig(policy="round_robin")), index, replicas, None)
     assert decision.prompt_tokens == 0 and decision.hashes == {} and len(decision.order) == 2
+
+
+def test_replicas_of_one_speed_route_by_their_pooled_rate_and_a_distinct_one_by_its_own() -> None:
+    learned = {"a": 24_000.0, "b": 28_000.0, "c": 26_500.0, "fresh": 10_000.0, "slow": 9_000.0}
+    replicas = []
+    for rid, rate in learned.items():
+        r = replica(rid)
+        r.prefill_rate, r.rate_samples = rate, 0 if rid == "fresh" else 10
+        replicas.append(r)
+    rates = routing_rates(replicas)
+    # a, b and c differ by sampling noise; fresh has no samples yet (its prior would shut it out).
+    assert rates["a"] == rates["b"] == rates["c"] == rates["fresh"] == 25_250.0  # the median of four
+    assert rates["slow"] == 9_000.0, "a replica three times slower is another kind of replica"
+    # Nothing learned anywhere: every replica keeps what it has.
+    fresh = [replica("x"), replica("y")]
+    assert routing_rates(fresh) == {"x": fresh[0].prefill_rate, "y": fresh[1].prefill_rate}

@@ -29,7 +29,7 @@ def test_no_healthy_replica_means_no_choice(name: str) -> None:
     assert policy.choose(RouteRequest(prompt_tokens=10, session="s"), fleet(3, healthy=False)) == []
 
 
-@pytest.mark.parametrize("name", ["round_robin", "least_load", "prefix_aware"])
+@pytest.mark.parametrize("name", ["round_robin", "least_load", "prefix_aware", "cache_threshold"])
 def test_equal_replicas_and_no_cache_hit_spread_evenly(name: str) -> None:
     """A known failure of a peer router: equal loads, no match, and every request lands on replica 0."""
     policy = build_policy(RoutingConfig(policy=name))

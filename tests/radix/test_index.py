@@ -219,3 +219,65 @@ def test_unknown_replica_is_a_clear_error() -> None:
     index = RadixIndex()
     with pytest.raises(KeyError, match="not in the index"):
         index.insert("ghost", [1])
+
+
+# -- learning a predicted replica's capacity ----------------------------------------------------------
+
+LEASE = 100.0  # a prediction's expiry: far enough never to matter here
+
+
+def predicted_fleet(capacity: int | None, prefixes: int, blocks: int) -> tuple[RadixIndex, list[list[int]]]:
+    """One learning replica that was sent `prefixes` prompts of `blocks` blocks each, in order."""
+    index = RadixIndex()
+    index.add_replica("r", capacity, learn=True)
+    chains = [[1000 * p + b for b in range(blocks)] for p in range(prefixes)]
+    for chain in chains:
+        index.insert("r", chain, expires_at=LEASE)
+    return index, chains
+
+
+def test_a_shorter_reuse_than_predicted_evicts_the_older_blocks_and_bounds_the_capacity() -> None:
+    index, chains = predicted_fleet(capacity=None, prefixes=30, blocks=10)
+    assert index.capacity_of("r") is None and index.blocks_of("r") == 300
+    asked = chains[12]
+    predicted = index.predicted("r", asked)
+    assert predicted.blocks == 10 and predicted.ghosted == ()
+    index.insert("r", asked, expires_at=LEASE)  # the request is recorded as it is routed
+    # The replica reused 4 of the 10 blocks: its 5th was gone, so were all blocks used before it.
+    index.correct("r", predicted, realised=4)
+    assert all(not index.holds("r", h) for chain in chains[:12] for h in chain)
+    assert all(index.holds("r", h) for chain in chains[13:] for h in chain)
+    assert all(index.holds("r", h) for h in asked), "the request itself is cached there now"
+    assert index.capacity_of("r") == index.blocks_of("r") == 180
+    # A later shortfall tightens it further, never below the floor.
+    index.correct("r", index.predicted("r", chains[20]), realised=0)
+    assert index.capacity_of("r") == max(index.blocks_of("r"), 64)
+
+
+def test_a_longer_reuse_than_predicted_of_evicted_blocks_raises_the_capacity() -> None:
+    index, chains = predicted_fleet(capacity=100, prefixes=30, blocks=10)
+    assert index.blocks_of("r") == 100 and index.match(chains[0]) == {}
+    predicted = index.predicted("r", chains[0])
+    # Prefix 0 was the first dropped, leaf first: its root 191 drops ago, its leaf 200.
+    assert predicted.blocks == 0 and predicted.ghosted == tuple(range(191, 201))
+    index.insert("r", chains[0], expires_at=LEASE)
+    # Yet the replica reused all of it: it holds what the bound keeps and all 200 dropped since.
+    index.correct("r", predicted, realised=10)
+    assert index.capacity_of("r") == 300
+    # Blocks the bound never held (another client's traffic, a TTL) are no evidence about it.
+    index.correct("r", index.predicted("r", [999_999, 999_998]), realised=2)
+    assert index.capacity_of("r") == 300
+    index.insert("r", chains[1], expires_at=LEASE)
+    assert index.blocks_of("r") == 110
+    # A capacity learned by another gateway applies at once.
+    index.set_capacity("r", 70)
+    assert index.blocks_of("r") == 70 and index.capacity_of("r") == 70
+    assert index.predicted("r", [*chains[29][:3], 424242, chains[29][4]]).blocks == 3
+
+
+def test_learning_needs_a_learning_replica() -> None:
+    index = RadixIndex()
+    index.add_replica("exact")
+    index.insert("exact", [1, 2])
+    with pytest.raises(ValueError, match="does not learn"):
+        index.predicted("exact", [1])

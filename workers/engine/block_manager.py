@@ -19,6 +19,9 @@ from radix.hashing import chain_hashes, root_hash
 from workers.engine.sequence import Sequence
 
 StoredCallback = Callable[[list[int], int | None], None]
+# The same event with the token ids of its blocks (block_size of them per hash, in order): for
+# publishers whose format carries tokens (vLLM's, workers/zmq_publisher.py).
+StoredTokensCallback = Callable[[list[int], int | None, list[int]], None]
 RemovedCallback = Callable[[list[int]], None]
 ClearedCallback = Callable[[], None]
 
@@ -40,6 +43,7 @@ class BlockManager:
         on_stored: StoredCallback = _ignore,
         on_removed: RemovedCallback = _ignore,
         on_cleared: ClearedCallback = _ignore,
+        on_stored_tokens: StoredTokensCallback | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -51,6 +55,7 @@ class BlockManager:
         self._on_stored = on_stored
         self._on_removed = on_removed
         self._on_cleared = on_cleared
+        self._on_stored_tokens = on_stored_tokens
         self._ref_counts = [0] * num_blocks
         # The hash a block is registered under (None: private to its sequence, or not full yet).
         self._block_hash: list[int | None] = [None] * num_blocks
@@ -207,22 +212,30 @@ class BlockManager:
             return
         hashes = self._hashes(seq, end)
         run: list[int] = []
-        run_parent: int | None = None
+        run_start = first
         for i in range(first, end):
             h = hashes[i]
             block = seq.block_table[i]
             if h in self._by_hash:
                 if run:
-                    self._on_stored(run, run_parent)
+                    self._stored(seq, hashes, run_start, run)
                     run = []
                 continue
             if not run:
-                run_parent = hashes[i - 1] if i else None
+                run_start = i
             self._by_hash[h] = block
             self._block_hash[block] = h
             run.append(h)
         if run:
-            self._on_stored(run, run_parent)
+            self._stored(seq, hashes, run_start, run)
+
+    def _stored(self, seq: Sequence, hashes: list[int], start: int, run: list[int]) -> None:
+        """Report the newly registered blocks `run`, blocks start.. of `seq` (whose hashes are `hashes`)."""
+        parent = hashes[start - 1] if start else None
+        self._on_stored(run, parent)
+        if self._on_stored_tokens is not None:
+            bs = self.block_size
+            self._on_stored_tokens(run, parent, seq.token_slice(start * bs, (start + len(run)) * bs))
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references (finish, abort or preemption); its KV is gone for it.

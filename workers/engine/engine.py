@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from workers.engine.batch import Runner
-from workers.engine.block_manager import BlockManager
+from workers.engine.block_manager import BlockManager, StoredTokensCallback
 from workers.engine.detokenizer import Decoder, Detokenizer
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats, UnschedulableSequence
@@ -85,10 +85,18 @@ ClearedCallback = Callable[[], None]
 
 
 def kv_callbacks(
-    on_stored: StoredCallback | None, on_removed: RemovedCallback | None, on_cleared: ClearedCallback | None
+    on_stored: StoredCallback | None,
+    on_removed: RemovedCallback | None,
+    on_cleared: ClearedCallback | None,
+    on_stored_tokens: StoredTokensCallback | None = None,
 ) -> dict[str, Callable]:
     """The block manager's KV-event callbacks that were given (it keeps its no-op for the rest)."""
-    given = (("on_stored", on_stored), ("on_removed", on_removed), ("on_cleared", on_cleared))
+    given = (
+        ("on_stored", on_stored),
+        ("on_removed", on_removed),
+        ("on_cleared", on_cleared),
+        ("on_stored_tokens", on_stored_tokens),
+    )
     return {name: fn for name, fn in given if fn is not None}
 
 
@@ -104,6 +112,7 @@ class Engine:
         on_stored: StoredCallback | None = None,
         on_removed: RemovedCallback | None = None,
         on_cleared: ClearedCallback | None = None,
+        on_stored_tokens: StoredTokensCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         # The model's modules load torch; imported here so that the simulated engine, which shares this
@@ -119,7 +128,10 @@ class Engine:
             config.kv_memory_bytes, loaded.config, config.block_size, weight.dtype
         )
         block_manager = BlockManager(
-            num_blocks, config.block_size, loaded.name, **kv_callbacks(on_stored, on_removed, on_cleared)
+            num_blocks,
+            config.block_size,
+            loaded.name,
+            **kv_callbacks(on_stored, on_removed, on_cleared, on_stored_tokens),
         )
         scheduler = Scheduler(
             SchedulerConfig(

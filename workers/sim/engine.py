@@ -9,7 +9,7 @@ is a SimClock object (`clock.now()`), because the runner must also make time pas
 
 from __future__ import annotations
 
-from workers.engine.block_manager import BlockManager
+from workers.engine.block_manager import BlockManager, StoredTokensCallback
 from workers.engine.engine import ClearedCallback, Engine, RemovedCallback, StoredCallback, kv_callbacks
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
@@ -35,6 +35,7 @@ class SimEngine(Engine):
         on_stored: StoredCallback | None = None,
         on_removed: RemovedCallback | None = None,
         on_cleared: ClearedCallback | None = None,
+        on_stored_tokens: StoredTokensCallback | None = None,
     ) -> None:
         self.profile = profile
         self.vocab_size = profile.vocab_size
@@ -42,7 +43,7 @@ class SimEngine(Engine):
             profile.num_blocks,
             profile.block_size,
             profile.model_name,
-            **kv_callbacks(on_stored, on_removed, on_cleared),
+            **kv_callbacks(on_stored, on_removed, on_cleared, on_stored_tokens),
         )
         scheduler = Scheduler(
             SchedulerConfig(

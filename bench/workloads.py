@@ -1,0 +1,192 @@
+"""Generated workloads of the shapes DESIGN §7 names, as sessions both load drivers replay.
+
+A workload is a list of sessions. A session's first turn is due at its start; each later turn is
+sent its think time after the previous turn's answer has ended: closed loop within a session (an
+agent waits for its answer before it acts), open across sessions (new users arrive whether or not
+the fleet keeps up). A request that stands alone (a trace record, a grouped prompt) is a session of
+one turn. `bench replay` drives sessions over HTTP in real time, `bench fleet` in virtual time.
+
+Prompts are token ids, so no tokenizer runs anywhere. Every turn's whole prompt is fixed in
+advance: the assistant's answer that a later turn's history repeats is the workload's own ids of
+the answer's length, since a load generator never gets the served ids back (and simulated workers
+make up their own). A served answer's KV blocks therefore never match the next turn's history;
+the history before it does, which is the reuse that routing decides.
+
+Each generator is a pure function of its parameters: one seed, one workload, and random streams
+keyed by (seed, purpose, index) so that more tenants, sessions or groups leave the existing ones
+as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+# Generated token ids stay clear of the low ids where tokenizers keep their special tokens (BOS, EOS,
+# chat markers) and below every vocabulary the simulated profiles use.
+TOKEN_LOW, TOKEN_HIGH = 1000, 30000
+
+# Keys of the random streams: one purpose each, so that drawing more of one never shifts another.
+_TENANT, _SESSION, _GROUP, _ORDER, _TIMES = range(5)
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request: its whole prompt, its answer's length, and the think time before it is sent."""
+
+    prompt: Sequence[int]
+    max_tokens: int
+    # Seconds after the previous turn's answer ended; a session's first turn is due at its start.
+    think_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    start_s: float
+    turns: tuple[Turn, ...]
+    # Sent as the OpenAI `user` field (session affinity's key); empty: the requests name no session.
+    key: str = ""
+
+
+def total_turns(sessions: Sequence[Session]) -> int:
+    return sum(len(s.turns) for s in sessions)
+
+
+def nominal_order(sessions: Sequence[Session]) -> list[Turn]:
+    """Every turn in the order it would arrive if every answer were instant: the arrival order of a
+    fleet with no latency, which bounds such as the pooled cache are computed over."""
+    due = []
+    for s in sessions:
+        t = s.start_s
+        for k, turn in enumerate(s.turns):
+            t += turn.think_s
+            due.append((t, s.start_s, k, turn))
+    due.sort(key=lambda row: row[:3])
+    return [row[3] for row in due]
+
+
+def scaled(sessions: Sequence[Session], speed: float) -> list[Session]:
+    """The same sessions `speed` times as fast (2 = twice): start and think times divided by it. The
+    prompts are unchanged; what changes is the load, as a trace's speed changes it."""
+    if speed <= 0:
+        raise ValueError(f"speed must be positive, got {speed}")
+    return [
+        replace(
+            s, start_s=s.start_s / speed, turns=tuple(replace(t, think_s=t.think_s / speed) for t in s.turns)
+        )
+        for s in sessions
+    ]
+
+
+def _ids(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(TOKEN_LOW, TOKEN_HIGH, n).tolist()
+
+
+# -- multi-tenant agent sessions ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AgentParams:
+    """Agents of several tenants, each tenant with its own system prompt, working in tool loops.
+
+    Sizes are tokens (~400 words is ~530 tokens). A turn's prompt is the session's history: the
+    tenant's system prompt, then per earlier turn the user's message, the assistant's answer and,
+    in about `tool_share` of the turns, a tool result."""
+
+    tenants: int = 12
+    system_tokens: int = 530
+    sessions: int = 53
+    min_turns: int = 4
+    max_turns: int = 8
+    tool_tokens: int = 530
+    tool_share: float = 0.5
+    min_user_tokens: int = 16
+    max_user_tokens: int = 64
+    min_output_tokens: int = 32
+    max_output_tokens: int = 160
+    # Think time between an answer and the next turn: think_base_s + Exp(mean think_mean_s).
+    think_base_s: float = 1.5
+    think_mean_s: float = 2.0
+    # Sessions start uniformly at random within this many seconds: about 20 sessions at once, whose
+    # histories (~2k tokens each) overflow a small fleet's caches.
+    start_window_s: float = 20.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.tenants, self.sessions, self.min_turns, self.min_output_tokens, self.min_user_tokens) < 1:
+            raise ValueError("tenants, sessions, turns, output and user tokens must be at least 1")
+        if self.max_turns < self.min_turns or self.max_user_tokens < self.min_user_tokens:
+            raise ValueError("each max_* must be at least its min_*")
+        if self.max_output_tokens < self.min_output_tokens:
+            raise ValueError("max_output_tokens must be at least min_output_tokens")
+        if min(self.system_tokens, self.tool_tokens, self.think_base_s, self.think_mean_s) < 0:
+            raise ValueError("token counts and think times must not be negative")
+        if not 0.0 <= self.tool_share <= 1.0 or self.start_window_s < 0:
+            raise ValueError("tool_share must be within [0, 1] and start_window_s not negative")
+
+
+def agent_sessions(params: AgentParams | None = None) -> list[Session]:
+    """`params.sessions` agent sessions by start time, assigned to the tenants in turn."""
+    p = params or AgentParams()
+    systems = [_ids(np.random.default_rng([p.seed, _TENANT, t]), p.system_tokens) for t in range(p.tenants)]
+    sessions = []
+    for i in range(p.sessions):
+        rng = np.random.default_rng([p.seed, _SESSION, i])
+        start = float(rng.uniform(0.0, p.start_window_s))
+        history = systems[i % p.tenants] + _ids(
+            rng, int(rng.integers(p.min_user_tokens, p.max_user_tokens + 1))
+        )
+        turns = []
+        for k in range(int(rng.integers(p.min_turns, p.max_turns + 1))):
+            think = p.think_base_s + float(rng.exponential(p.think_mean_s)) if k else 0.0
+            output = int(rng.integers(p.min_output_tokens, p.max_output_tokens + 1))
+            turns.append(Turn(tuple(history), output, think))
+            history += _ids(rng, output)
+            if rng.random() < p.tool_share:
+                history += _ids(rng, p.tool_tokens)
+            history += _ids(rng, int(rng.integers(p.min_user_tokens, p.max_user_tokens + 1)))
+        sessions.append(Session(start, tuple(turns), key=f"tenant{i % p.tenants}-session{i}"))
+    return sorted(sessions, key=lambda s: s.start_s)
+
+
+# -- grouped shared prefixes ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedParams:
+    """Groups of prompts sharing a long prefix (shared:own 5:1), each prompt sent once, the groups'
+    prompts shuffled together so that a group's requests are interleaved with the others'."""
+
+    groups: int = 60
+    prompts_per_group: int = 5
+    shared_tokens: int = 1000
+    own_tokens: int = 200
+    output_tokens: int = 64
+    # Poisson arrivals per second.
+    rate: float = 10.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.groups, self.prompts_per_group, self.output_tokens) < 1:
+            raise ValueError("groups, prompts_per_group and output_tokens must be at least 1")
+        if min(self.shared_tokens, self.own_tokens) < 0 or self.shared_tokens + self.own_tokens < 1:
+            raise ValueError("shared_tokens and own_tokens must not be negative, nor both zero")
+        if self.rate <= 0:
+            raise ValueError(f"rate must be positive, got {self.rate}")
+
+
+def grouped_sessions(params: GroupedParams | None = None) -> list[Session]:
+    """Every prompt of every group once, in a shuffled order, at Poisson times."""
+    p = params or GroupedParams()
+    prompts = []
+    for g in range(p.groups):
+        rng = np.random.default_rng([p.seed, _GROUP, g])
+        shared = _ids(rng, p.shared_tokens)
+        prompts += [tuple(shared + _ids(rng, p.own_tokens)) for _ in range(p.prompts_per_group)]
+    order = np.random.default_rng([p.seed, _ORDER]).permutation(len(prompts))
+    times = np.cumsum(np.random.default_rng([p.seed, _TIMES]).exponential(1.0 / p.rate, len(prompts)))
+    return [
+        Session(float(t), (Turn(prompts[i], p.output_tokens),)) for t, i in zip(times, order, strict=True)
+    ]

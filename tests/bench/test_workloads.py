@@ -1,0 +1,141 @@
+"""Generated workloads: pure functions of their parameters, with the shapes they promise (sessions whose
+prompts grow by answer, tool result and message; tenants' shared system prompts; think times; grouped
+prefixes interleaved at Poisson times)."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from bench.trace import TracePrompt, load_trace, prompt_tokens, trace_sessions, write_conversation_trace
+from bench.workloads import (
+    TOKEN_HIGH,
+    TOKEN_LOW,
+    AgentParams,
+    GroupedParams,
+    Session,
+    Turn,
+    agent_sessions,
+    grouped_sessions,
+    nominal_order,
+    scaled,
+    total_turns,
+)
+
+AGENT = AgentParams()
+
+
+def test_agent_sessions_are_a_function_of_the_seed_and_keep_their_shape_as_more_are_added() -> None:
+    sessions = agent_sessions(AGENT)
+    assert sessions == agent_sessions(AgentParams())
+    assert sessions != agent_sessions(AgentParams(seed=1))
+    assert len(sessions) == 53 and len({s.key for s in sessions}) == 53
+    assert all(AGENT.min_turns <= len(s.turns) <= AGENT.max_turns for s in sessions)
+    starts = [s.start_s for s in sessions]
+    assert starts == sorted(starts) and starts[0] >= 0 and starts[-1] < AGENT.start_window_s
+    assert all(min(t.prompt) >= TOKEN_LOW and max(t.prompt) < TOKEN_HIGH for s in sessions for t in s.turns)
+    more = {s.key: s for s in agent_sessions(replace(AGENT, sessions=60))}
+    assert all(more[s.key] == s for s in sessions)
+
+
+def test_sessions_of_a_tenant_share_its_system_prompt_and_tenants_differ() -> None:
+    sessions = agent_sessions(AGENT)
+    systems: dict[str, set[tuple[int, ...]]] = {}
+    for s in sessions:
+        tenant = s.key.split("-")[0]
+        systems.setdefault(tenant, set()).add(tuple(s.turns[0].prompt[: AGENT.system_tokens]))
+    assert len(systems) == AGENT.tenants
+    assert all(len(prompts) == 1 for prompts in systems.values())
+    assert len(set.union(*systems.values())) == AGENT.tenants
+    # 53 sessions over 12 tenants: 4 or 5 each.
+    per_tenant = [sum(s.key.startswith(f"{t}-") for s in sessions) for t in systems]
+    assert set(per_tenant) == {4, 5}
+
+
+def test_each_turn_extends_the_previous_prompt_by_its_answer_a_tool_result_or_not_and_a_message() -> None:
+    params = replace(AGENT, sessions=400)
+    with_tool = transitions = 0
+    for s in agent_sessions(params):
+        first = s.turns[0]
+        assert params.min_user_tokens <= len(first.prompt) - params.system_tokens <= params.max_user_tokens
+        for before, after in zip(s.turns, s.turns[1:], strict=False):
+            assert tuple(after.prompt[: len(before.prompt)]) == tuple(before.prompt)
+            assert params.min_output_tokens <= before.max_tokens <= params.max_output_tokens
+            added = len(after.prompt) - len(before.prompt) - before.max_tokens
+            tool = added > params.max_user_tokens
+            user = added - params.tool_tokens if tool else added
+            assert params.min_user_tokens <= user <= params.max_user_tokens
+            with_tool += tool
+            transitions += 1
+    assert transitions > 1500
+    assert 0.45 < with_tool / transitions < 0.55
+
+
+def test_think_times_are_the_base_plus_an_exponential() -> None:
+    sessions = agent_sessions(replace(AGENT, sessions=400))
+    assert all(s.turns[0].think_s == 0.0 for s in sessions)
+    extra = [t.think_s - AGENT.think_base_s for s in sessions for t in s.turns[1:]]
+    assert min(extra) >= 0
+    # Exponential with mean 2: the mean and the standard deviation are both about 2 (n > 1500).
+    assert statistics.fmean(extra) == pytest.approx(AGENT.think_mean_s, rel=0.1)
+    assert statistics.stdev(extra) == pytest.approx(AGENT.think_mean_s, rel=0.15)
+    assert statistics.median(extra) == pytest.approx(AGENT.think_mean_s * 0.693, rel=0.15)
+
+
+def test_grouped_prompts_share_their_group_prefix_and_arrive_interleaved_at_poisson_times() -> None:
+    params = GroupedParams()
+    sessions = grouped_sessions(params)
+    assert sessions == grouped_sessions(GroupedParams())
+    assert sessions != grouped_sessions(GroupedParams(seed=1))
+    assert len(sessions) == 300 and all(len(s.turns) == 1 and not s.key for s in sessions)
+    prompts = [tuple(s.turns[0].prompt) for s in sessions]
+    assert len(set(prompts)) == 300 and {len(p) for p in prompts} == {1200}
+    assert {s.turns[0].max_tokens for s in sessions} == {64}
+    groups = [p[:1000] for p in prompts]
+    assert len(set(groups)) == 60 and all(groups.count(g) == 5 for g in set(groups))
+    # Shuffled: a group's five prompts are not sent back to back (about 4 of 299 neighbours match).
+    assert sum(a == b for a, b in itertools.pairwise(groups)) < 15
+    times = [s.start_s for s in sessions]
+    gaps = [b - a for a, b in zip([0.0, *times], times, strict=False)]
+    assert min(gaps) > 0
+    assert statistics.fmean(gaps) == pytest.approx(1 / params.rate, rel=0.15)
+
+
+def test_invalid_parameters_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_"):
+        AgentParams(min_turns=5, max_turns=4)
+    with pytest.raises(ValueError, match="tool_share"):
+        AgentParams(tool_share=1.5)
+    with pytest.raises(ValueError, match="rate"):
+        GroupedParams(rate=0)
+
+
+def test_nominal_order_and_speed() -> None:
+    sessions = [
+        Session(0.0, (Turn((1,), 1), Turn((1, 2), 1, think_s=5.0))),
+        Session(1.0, (Turn((3,), 1), Turn((3, 4), 1, think_s=1.0))),
+    ]
+    assert [t.prompt for t in nominal_order(sessions)] == [(1,), (3,), (3, 4), (1, 2)]
+    fast = scaled(sessions, 2.0)
+    assert [s.start_s for s in fast] == [0.0, 0.5]
+    assert [t.think_s for s in fast for t in s.turns] == [0.0, 2.5, 0.0, 0.5]
+    assert [t.prompt for s in fast for t in s.turns] == [t.prompt for s in sessions for t in s.turns]
+    assert total_turns(fast) == 4
+    with pytest.raises(ValueError):
+        scaled(sessions, 0)
+
+
+def test_trace_sessions_expand_their_prompts_only_when_read(tmp_path: Path) -> None:
+    trace = load_trace(write_conversation_trace(tmp_path / "t.jsonl", conversations=3, turns=2))
+    sessions = trace_sessions(trace, 32000)
+    assert [s.start_s for s in sessions] == [r.arrival_s for r in trace]
+    for s, r in zip(sessions, trace, strict=True):
+        (turn,) = s.turns
+        assert isinstance(turn.prompt, TracePrompt) and len(turn.prompt) == r.input_length
+        assert list(turn.prompt) == prompt_tokens(r, 32000)
+        assert turn.prompt[:3] == prompt_tokens(r, 32000)[:3] and turn.max_tokens == r.output_length
+        assert s.key == str(r.hash_ids[1])

@@ -1,0 +1,120 @@
+"""Predictions that correct themselves: in front of replicas that publish no KV events, what each one
+reports it reused (usage.prompt_tokens_details.cached_tokens) evicts what it no longer holds and
+learns its capacity, whatever capacity was configured; a stream whose client did not ask for usage is
+asked for it, and the usage event is left out of what the client receives."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from tests.gateway.conftest import SIM_MODEL, RecordingBackend, RunningGateway, SimWorker
+
+BLOCK = 16
+POOL_BLOCKS = 128  # each simulated worker's real KV pool
+
+
+def prefix(i: int, blocks: int = 8) -> list[int]:
+    return [2000 + 97 * i + t for t in range(blocks * BLOCK)]
+
+
+def send(gateway: RunningGateway, prompt: list[int]) -> httpx.Response:
+    body = {"model": SIM_MODEL, "prompt": [*prompt, 7], "max_tokens": 1}
+    response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def learned(gateway: RunningGateway) -> dict[str, int | None]:
+    rows = gateway.admin("GET", "/admin/replicas").json()["replicas"]
+    return {row["id"]: row["index_capacity_blocks"] for row in rows}
+
+
+@pytest.mark.parametrize("prior", [16 * POOL_BLOCKS, None], ids=["16x too big", "absent"])
+def test_a_capacity_too_big_or_absent_is_learned_from_what_the_replica_reuses(
+    start_sim_worker: Callable[..., SimWorker],
+    start_gateway: Callable[..., RunningGateway],
+    prior: int | None,
+) -> None:
+    worker = start_sim_worker("w0", "--num-blocks", str(POOL_BLOCKS))
+    entry = {"url": worker.url, "kind": "openai", "block_size": BLOCK}
+    gateway = start_gateway([], wait_for=1, replicas=[entry | ({"capacity_blocks": prior} if prior else {})])
+    # 40 prompts of 8 blocks: 320 blocks, 2.5 times what the replica holds.
+    for i in range(40):
+        send(gateway, prefix(i))
+    assert list(learned(gateway).values()) == [prior], "nothing contradicted the prior yet"
+    # Prompts come back in random order: each one predicted cached but gone is a surprise that evicts
+    # it, and everything used before it, and bounds the capacity.
+    rng = random.Random(0)
+    wrong = []
+    for _ in range(60):
+        response = send(gateway, prefix(rng.randrange(40)))
+        predicted = int(response.headers["x-prefixgate-predicted-cached-tokens"])
+        wrong.append(predicted > response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    (capacity,) = learned(gateway).values()
+    assert capacity is not None and capacity <= 2 * POOL_BLOCKS, capacity
+    assert sum(wrong[:20]) > sum(wrong[-20:]), wrong
+
+
+def test_a_capacity_too_small_grows_from_reuses_the_bound_had_dropped(
+    start_sim_worker: Callable[..., SimWorker],
+    start_gateway: Callable[..., RunningGateway],
+) -> None:
+    worker = start_sim_worker("w0", "--num-blocks", str(4 * POOL_BLOCKS))
+    entry = {"url": worker.url, "kind": "openai", "block_size": BLOCK, "capacity_blocks": 64}
+    gateway = start_gateway([], wait_for=1, replicas=[entry])
+    # 240 blocks: the replica holds them all, the bound of 64 only the last 8 prompts.
+    for i in range(30):
+        send(gateway, prefix(i))
+    # The first reuse of a prompt the bound had dropped says the replica holds all 30.
+    send(gateway, prefix(0))
+    (capacity,) = learned(gateway).values()
+    assert capacity is not None and capacity >= 30 * 8, capacity
+    # All 30 prompts fit now: each is predicted where it is.
+    response = send(gateway, prefix(25))
+    assert int(response.headers["x-prefixgate-predicted-cached-tokens"]) == 8 * BLOCK
+
+
+def test_a_stream_is_asked_for_its_usage_and_the_client_does_not_see_it(
+    recording_backend: Callable[..., tuple[RecordingBackend, str]],
+    start_gateway: Callable[..., RunningGateway],
+) -> None:
+    def event(body: dict) -> bytes:
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "foreign-m"}
+    delta = event(chunk | {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": "stop"}]})
+    usage = event(
+        chunk
+        | {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 9,
+                "completion_tokens": 1,
+                "prompt_tokens_details": {"cached_tokens": 0},
+            },
+        }
+    )
+    # The usage event and [DONE] in one write: the gateway must cut the one out and keep the other.
+    stream = [delta, usage + b"data: [DONE]\n\n"]
+    backend, url = recording_backend("b0", answers={("/v1/chat/completions", True): stream})
+    gateway = start_gateway([url], models={"foreign-m": {"tokenizer": "default"}})
+    body = {"model": "foreign-m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    raw = json.dumps(body).encode()
+    got = httpx.post(
+        f"{gateway.url}/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}
+    )
+    assert got.content == delta + b"data: [DONE]\n\n"
+    sent = json.loads(backend.received[-1].body)
+    assert sent == {**body, "stream_options": {"include_usage": True}}
+    # A client that asked for usage gets the stream byte for byte, its body untouched.
+    asked = json.dumps({**body, "stream_options": {"include_usage": True}}).encode()
+    got = httpx.post(
+        f"{gateway.url}/v1/chat/completions", content=asked, headers={"Content-Type": "application/json"}
+    )
+    assert got.content == b"".join(stream)
+    assert backend.received[-1].body == asked
