@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TRACE ?= ../shared/traces/mooncake/conversation_trace.jsonl
 OUT ?= out
 
-.PHONY: demo test lint bench-radix bench-fleet redis-server prometheus-server clean
+.PHONY: demo test lint bench-radix bench-fleet bench-pd redis-server prometheus-server clean
 
 # The torch pin comes first: it is the CPU build on this machine's disk, and installing it before
 # the project keeps any dependency from pulling a multi-GB CUDA build.
@@ -52,6 +52,13 @@ demo: $(VENV)/.installed
 bench-fleet: $(VENV)/.installed
 	$(VENV)/bin/prefixgate bench fleet --trace $(TRACE) --replicas 8 --profile h100-8b --speed 2.5 \
 	  --json $(OUT)/fleet.json
+
+# Prefill/decode splits of 4 h100-8b GPUs against 4 mixed replicas (bench.pd): the long-prompt mix, then
+# the conversation trace's first 1,000 requests at half speed (about 1.7 requests/s).
+bench-pd: $(VENV)/.installed
+	$(VENV)/bin/prefixgate bench fleet --workload longmix --pd 4:0,3:1,2:2,1:3 --json $(OUT)/pd_longmix.json
+	$(VENV)/bin/prefixgate bench fleet --trace $(TRACE) --limit 1000 --speed 0.5 --pd 4:0,3:1,2:2,1:3 \
+	  --json $(OUT)/pd_conversation.json
 
 bench-radix: $(VENV)/.installed
 	$(VENV)/bin/prefixgate bench radix --json $(OUT)/bench_radix.json

@@ -3,8 +3,8 @@
 The model is one of SmolLM2-135M's shape (or any HF folder's config) with random weights, built on
 the spot: a GPU host here can be sent a config and a tokenizer, not hundreds of MB of weights. That
 is enough for what the check is for: that the engine's CUDA path computes what HF transformers
-computes (greedy tokens in fp32), how fast it generates in bf16 against HF `generate`, and what a
-cached prefix saves in TTFT there.
+computes (greedy tokens in fp32), how fast it generates in bf16 against HF `generate`, what a
+cached prefix saves in TTFT there, and how long a decode step takes on each attention backend.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 
-from bench.engine import cached_prefix_ttft, synchronize
+from bench.engine import cached_prefix_ttft, decode_step_ms, synchronize
 from bench.report import bar_panels, format_table, write_json
 from protocol.models import default_gguf_path
+from workers.engine.attention import BackendUnavailableError
+from workers.engine.attention.flash_attn import FLASH_BLOCK_MULTIPLE
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.loader import LoadedModel, convert_gguf, load_tokenizer, load_weights
 from workers.engine.sampling_params import SamplingParams
@@ -31,6 +33,10 @@ from workers.engine.sampling_params import SamplingParams
 FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 CHECK_PROMPT_LENS = (5, 17, 33, 64, 100, 7, 48, 250)
 CHECK_NEW_TOKENS = 16
+# The backends whose decode steps are timed on a GPU; on the CPU only SDPA runs natively.
+CUDA_BACKENDS = ("torch_sdpa", "triton", "flash_attn")
+# Per backend: milliseconds per decode step at each batch size, or why the backend cannot run.
+DecodeTimings = dict[str, dict[int, float] | str]
 
 
 def random_model(shape_from: Path, folder: Path, seed: int) -> Any:
@@ -91,6 +97,22 @@ def hf_greedy(hf: Any, prompt: list[int], new_tokens: int, device: str) -> list[
     return out[0, len(prompt) :].tolist()
 
 
+def decode_steps(model: LoadedModel, device: str, args: argparse.Namespace) -> DecodeTimings:
+    """flash-attn gets its own block size (its paged API's multiple); the others, the engine's default."""
+    names = CUDA_BACKENDS if device.startswith("cuda") else CUDA_BACKENDS[:1]
+    timings: DecodeTimings = {}
+    for name in names:
+        block_size = FLASH_BLOCK_MULTIPLE if name == "flash_attn" else 16
+        try:
+            timings[name] = {
+                batch: decode_step_ms(model, name, batch, args.decode_context, args.decode_steps, block_size)
+                for batch in args.decode_batches
+            }
+        except BackendUnavailableError as error:
+            timings[name] = str(error)
+    return timings
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shape-from",
@@ -105,6 +127,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-prompt", type=int, default=2000)
     parser.add_argument("--prefix-cached", type=int, default=1984)
     parser.add_argument("--prefix-repeats", type=int, default=3)
+    parser.add_argument(
+        "--decode-batches",
+        type=lambda text: [int(b) for b in text.split(",")],
+        default=[1, 16, 64, 256],
+        help="batch sizes whose decode step is timed per backend, comma-separated",
+    )
+    parser.add_argument("--decode-context", type=int, default=1024, help="tokens of context per sequence")
+    parser.add_argument("--decode-steps", type=int, default=10, help="timed steps per batch size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
 
@@ -157,6 +187,7 @@ def run(args: argparse.Namespace) -> dict:
             "cold_s": cold,
             "cached_s": warm,
         }
+        decode = decode_steps(bf16, device, args)
     generated = args.requests * args.output
     payload = {
         "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else device,
@@ -176,6 +207,7 @@ def run(args: argparse.Namespace) -> dict:
             "hf_generate_out_tok_s": generated / hf_s,
         },
         "prefix_ttft_bf16": prefix,
+        "decode_step_ms_bf16": {"context": args.decode_context, "backends": decode},
     }
     t = payload["throughput_bf16"]
     print(
@@ -194,6 +226,16 @@ def run(args: argparse.Namespace) -> dict:
                     f"cold {prefix['cold_s'] * 1e3:.1f} ms, {prefix['cached_tokens']} cached "
                     f"{prefix['cached_s'] * 1e3:.1f} ms",
                 ],
+                *(
+                    [
+                        f"decode step ms, batch {batch} x {args.decode_context} tokens, bf16",
+                        ", ".join(
+                            f"{name} {ms[batch]:.2f}" if isinstance(ms, dict) else f"{name} cannot run"
+                            for name, ms in decode.items()
+                        ),
+                    ]
+                    for batch in args.decode_batches
+                ),
             ],
         )
     )

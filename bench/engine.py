@@ -253,6 +253,38 @@ def cached_prefix_ttft(
     return statistics.median(cold), statistics.median(warm)
 
 
+def decode_step_ms(
+    loaded: LoadedModel, backend: str, batch: int, context: int, steps: int, block_size: int = 16
+) -> float:
+    """Median milliseconds of an engine step in which `batch` sequences of `context` tokens each decode
+    one token: the whole step (planning, forward, sampling), as a client's inter-token gap sees it."""
+    per_seq = -(-(context + steps + 2) // block_size)
+    config = EngineConfig(
+        block_size=block_size,
+        num_blocks=batch * per_seq + 1,
+        max_num_seqs=batch,
+        max_num_batched_tokens=8192,
+        backend=backend,
+    )
+    engine = Engine(loaded, config)
+    rng = random.Random(11)
+    vocab = loaded.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
+    pending = {engine.add_request(prompt, params) for prompt in prompts}
+    while pending:  # prefill until every sequence has its first token
+        pending -= {out.request_id for out in engine.step() if out.new_token_ids}
+    engine.step()  # the first all-decode step (allocator, kernel compilation)
+    times = []
+    for _ in range(steps):
+        synchronize(loaded)
+        t = time.perf_counter()
+        engine.step()
+        synchronize(loaded)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
 def run(args: argparse.Namespace) -> dict:
     from transformers import AutoModelForCausalLM
 

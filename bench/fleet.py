@@ -7,58 +7,61 @@ starts soonest. A workload is sessions (bench.workloads): a session's later turn
 think time after the previous turn's answer ends on the virtual clock, so agent sessions are closed
 loop here as over HTTP; a trace is sessions of one turn. The index is fed either by the replicas'
 KV events (precise mode) or by the routing decisions alone, with a TTL and each replica's capacity
-(approximate mode).
+(approximate mode). With `--pd`, the same workload runs on splits of the fleet into prefill and
+decode replicas instead (bench.pd, bench.pd_bench).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import itertools
-import multiprocessing
-import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
-from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
+from bench import pd_bench
+from bench.latency import Slo
+from bench.parallel import run_jobs
+from bench.pd import DEFAULT_RESERVE_WAIT_S
+from bench.replica import Replica, nominal_prefill_rate, replica_view
 from bench.report import bar_panels, format_table, write_json
 from bench.trace import load_trace, trace_sessions
 from bench.workloads import (
     AgentParams,
     GroupedParams,
+    LongMixParams,
     Session,
     agent_sessions,
     grouped_sessions,
+    longmix_sessions,
     nominal_order,
     scaled,
     total_turns,
 )
-from policies import POLICY_NAMES, ReplicaView, RouteRequest, RoutingConfig, build_policy
+from policies import POLICY_NAMES, RouteRequest, RoutingConfig, build_policy
 from radix import RadixIndex, block_hashes
 from workers.engine.batch import StepOutput, sample_slots
 from workers.engine.sampling_params import SamplingParams
-from workers.sim.cost_model import chunk_shape
-from workers.sim.engine import SimEngine
 from workers.sim.profiles import Profile, get_profile
-from workers.sim.runner import VirtualClock
 
 MODES = ("precise", "approximate")
 # The policies that read the index, and so route differently when it is predicted (approximate).
 INDEX_POLICIES = ("prefix_aware", "cache_threshold")
-WORKLOADS = ("agent", "grouped")
+WORKLOADS = ("agent", "grouped", "longmix")
 
 
-def nominal_prefill_rate(profile: Profile) -> float:
-    """Prompt tokens per second of one full-budget prefill step: what est_ttft divides by."""
-    tokens = profile.max_num_batched_tokens
-    return tokens / profile.cost.time(chunk_shape(0, tokens))
+class _FleetReplica(Replica):
+    """A replica with the requests this simulator follows on it and the count it was sent."""
+
+    def __init__(self, rid: str, profile: Profile, index: RadixIndex, precise: bool) -> None:
+        super().__init__(rid, profile, index, precise)
+        # Sequence id -> (arrival time, session, turn) of the requests it holds.
+        self.requests: dict[int, tuple[float, int, int]] = {}
+        self.served = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,23 +86,6 @@ class FleetResult:
         }
 
 
-class _Replica:
-    def __init__(self, rid: str, profile: Profile, index: RadixIndex, precise: bool) -> None:
-        self.id = rid
-        self.clock = VirtualClock()
-        callbacks = {}
-        if precise:
-            callbacks = {
-                "on_stored": lambda hashes, parent: index.insert(rid, hashes),
-                "on_removed": lambda hashes: index.remove(rid, hashes),
-                "on_cleared": lambda: index.clear(rid),
-            }
-        self.engine = SimEngine(profile, clock=self.clock, **callbacks)
-        # Sequence id -> (arrival time, session, turn) of the requests it holds.
-        self.requests: dict[int, tuple[float, int, int]] = {}
-        self.served = 0
-
-
 def simulate(
     sessions: Sequence[Session],
     routing: RoutingConfig,
@@ -114,7 +100,7 @@ def simulate(
     policy = build_policy(routing)
     precise = mode == "precise"
     index = RadixIndex()
-    fleet = [_Replica(f"r{i}", profile, index, precise) for i in range(replicas)]
+    fleet = [_FleetReplica(f"r{i}", profile, index, precise) for i in range(replicas)]
     for r in fleet:
         index.add_replica(r.id, capacity_blocks=None if precise else profile.num_blocks)
     by_id = {r.id: r for r in fleet}
@@ -137,7 +123,7 @@ def simulate(
         if turn + 1 < len(turns):
             heapq.heappush(due, (now + turns[turn + 1].think_s, next(order), session, turn + 1))
 
-    def run_step(r: _Replica) -> None:
+    def run_step(r: _FleetReplica) -> None:
         """One engine step on the replica's clock: the SimEngine's scheduler and runner, without the
         per-token text deltas a server needs and a simulator does not."""
         nonlocal produced, cached_total
@@ -172,22 +158,7 @@ def simulate(
         if not precise:
             index.expire(now)
         matched = index.match(hashes) if hashes else {}
-        views = []
-        for r in fleet:
-            stats = r.engine.stats()
-            views.append(
-                ReplicaView(
-                    id=r.id,
-                    block_size=profile.block_size,
-                    matched_blocks=matched.get(r.id, 0),
-                    running=stats.running,
-                    waiting=stats.waiting,
-                    queued_prefill_tokens=stats.queued_prefill_tokens,
-                    max_waiting=profile.max_num_seqs,
-                    prefill_rate=rate,
-                    cached_blocks=index.blocks_of(r.id),
-                )
-            )
+        views = [replica_view(r, matched.get(r.id, 0), index, rate) for r in fleet]
         route = RouteRequest(
             prompt_tokens=len(tokens),
             prefix_key=hashes[0] if hashes else 0,
@@ -246,61 +217,54 @@ def pooled_hit_rate(sessions: Sequence[Session], profile: Profile, replicas: int
     return cached / max(total, 1)
 
 
-# Requests finished across every job of a run, for the one progress bar the parent draws.
-_finished: Synchronized | None = None
-
-
-def _init_job(counter: Synchronized) -> None:
-    global _finished
-    _finished = counter
-
-
-def _count_one() -> None:
-    assert _finished is not None
-    with _finished.get_lock():
-        _finished.value += 1
-
-
-def _run_job(sessions: list[Session], policy: str, mode: str, profile: Profile, replicas: int) -> FleetResult:
-    return simulate(
-        sessions, RoutingConfig(policy=policy), profile, replicas, mode, on_request_done=_count_one
-    )
-
-
 def jobs_of(policies: list[str], modes: list[str]) -> list[tuple[str, str]]:
     """(policy, mode) pairs to simulate: approximate mode changes only what the index policies read."""
     return [(p, m) for m in modes for p in policies if m == "precise" or p in INDEX_POLICIES]
 
 
-def fleet_profile(name: str, block_size: int | None, num_blocks: int | None) -> Profile:
-    """The named profile, with its block size and pool overridden where given (a pool smaller than an
-    H100's is what puts a small workload's caches under pressure)."""
+def fleet_profile(
+    name: str, block_size: int | None, num_blocks: int | None, max_batched_tokens: int | None = None
+) -> Profile:
+    """The named profile, with its block size, pool and step token budget overridden where given (a
+    pool smaller than an H100's is what puts a small workload's caches under pressure; a smaller
+    budget is chunked prefill's lever against the stalls a long prompt's chunk causes in the decodes
+    that share its step)."""
     profile = get_profile(name)
     if block_size is not None:
         profile = replace(profile, block_size=block_size)
     if num_blocks is not None:
         profile = replace(profile, kv_capacity_tokens=num_blocks * profile.block_size)
+    if max_batched_tokens is not None:
+        profile = replace(profile, max_num_batched_tokens=max_batched_tokens)
     return profile
 
 
 def generated_sessions(args: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
     """`--workload`'s sessions and parameters from the flags both benches share: --seed, --sessions
-    and --duration (agent: the window sessions start in; grouped: prompts due later are left out),
-    --rate (grouped), --limit (sessions) and --speed."""
+    (agent: sessions; longmix: requests) and --duration (agent: the window sessions start in;
+    grouped, longmix: prompts due later are left out), --rate (grouped, longmix), --limit (sessions)
+    and --speed."""
     if args.workload == "agent":
-        params: AgentParams | GroupedParams = AgentParams(seed=args.seed)
+        params: AgentParams | GroupedParams | LongMixParams = AgentParams(seed=args.seed)
         if args.sessions is not None:
             params = replace(params, sessions=args.sessions)
         if args.duration is not None:
             params = replace(params, start_window_s=args.duration)
-        sessions = agent_sessions(params)
-    else:
+        return scaled(agent_sessions(params)[: args.limit], args.speed), asdict(params)
+    if args.workload == "grouped":
         params = GroupedParams(seed=args.seed)
         if args.rate is not None:
             params = replace(params, rate=args.rate)
         sessions = grouped_sessions(params)
-        if args.duration is not None:
-            sessions = [s for s in sessions if s.start_s < args.duration]
+    else:
+        params = LongMixParams(seed=args.seed)
+        if args.rate is not None:
+            params = replace(params, rate=args.rate)
+        if args.sessions is not None:
+            params = replace(params, requests=args.sessions)
+        sessions = longmix_sessions(params)
+    if args.duration is not None:
+        sessions = [s for s in sessions if s.start_s < args.duration]
     return scaled(sessions[: args.limit], args.speed), asdict(params)
 
 
@@ -313,24 +277,19 @@ def workload_of(args: argparse.Namespace, profile: Profile) -> tuple[str, list[S
 
 
 def run(args: argparse.Namespace) -> dict:
-    profile = fleet_profile(args.profile, args.block_size, args.num_blocks)
+    profile = fleet_profile(args.profile, args.block_size, args.num_blocks, args.max_batched_tokens)
+    if args.link_gbytes is not None:
+        profile = replace(profile, link=replace(profile.link, bytes_per_s=args.link_gbytes * 1e9))
     workload, sessions, params = workload_of(args, profile)
+    if args.pd:
+        return pd_bench.run(args, profile, workload, sessions, params)
     requests = total_turns(sessions)
     jobs = jobs_of(args.policies or list(POLICY_NAMES), args.modes)
-    workers = max(1, min(len(jobs), args.workers or os.cpu_count() or 1))
-    # Each job is one single-threaded simulation: processes, one per core, run them side by side.
-    counter = multiprocessing.get_context("fork").Value("q", 0)
-    with ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_job, initargs=(counter,)
-    ) as pool:
-        futures = {job: pool.submit(_run_job, sessions, *job, profile, args.replicas) for job in jobs}
-        desc = f"{len(jobs)} simulations on {workers} processes"
-        with tqdm(total=requests * len(jobs), desc=desc) as bar:
-            while not all(f.done() for f in futures.values()):
-                time.sleep(0.5)
-                bar.update(counter.value - bar.n)
-            bar.update(counter.value - bar.n)
-        outcomes = {job: f.result() for job, f in futures.items()}
+    calls = [
+        functools.partial(simulate, sessions, RoutingConfig(policy=policy), profile, args.replicas, mode)
+        for policy, mode in jobs
+    ]
+    outcomes = dict(zip(jobs, run_jobs(calls, requests * len(jobs), args.workers), strict=True))
     results: dict[str, dict[str, float]] = {}
     rows = []
     for (name, mode), result in outcomes.items():
@@ -393,7 +352,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", default=None, help="Mooncake-format JSONL trace")
     source.add_argument(
-        "--workload", choices=WORKLOADS, default=None, help="generated: agent sessions or grouped prefixes"
+        "--workload",
+        choices=WORKLOADS,
+        default=None,
+        help="generated: agent sessions, grouped prefixes, or long prompts with long answers (longmix)",
     )
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--profile", default="h100-8b", help="sim profile name or JSON path")
@@ -401,26 +363,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-blocks", type=int, default=None, help="KV blocks per replica (default: the profile's)"
     )
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens per engine step, the chunked-prefill budget (default: the profile's)",
+    )
     parser.add_argument("--speed", type=float, default=1.0, help="time compression (2 = twice as fast)")
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests (sessions)")
     parser.add_argument(
-        "--sessions", type=int, default=None, help=f"agent sessions (default {AgentParams().sessions})"
+        "--sessions",
+        type=int,
+        default=None,
+        help=f"agent sessions (default {AgentParams().sessions}); longmix requests "
+        f"(default {LongMixParams().requests})",
     )
     parser.add_argument(
         "--rate",
         type=float,
         default=None,
-        help=f"grouped prompts per second (default {GroupedParams().rate:g})",
+        help=f"grouped prompts per second (default {GroupedParams().rate:g}); longmix requests per "
+        f"second (default {LongMixParams().rate:g})",
     )
     parser.add_argument(
         "--duration",
         type=float,
         default=None,
         help=f"agent: the window sessions start in (default {AgentParams().start_window_s:g} s); "
-        "grouped: prompts due later are left out",
+        "grouped, longmix: prompts due later are left out",
     )
     parser.add_argument("--seed", type=int, default=0, help="of the generated workloads")
     parser.add_argument("--policies", nargs="*", choices=POLICY_NAMES, default=None)
     parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
     parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
     parser.add_argument("--json", default=None)
+    pd = parser.add_argument_group("prefill/decode disaggregation (bench.pd): --pd replaces --policies")
+    pd.add_argument(
+        "--pd",
+        action="append",
+        default=None,
+        metavar="P:D[,P:D...]",
+        help="splits of the GPUs into P prefill and D decode replicas (P:0: P mixed), each simulated "
+        "and compared, e.g. 4:0,3:1,2:2,1:3; repeatable",
+    )
+    pd.add_argument("--slo-ttft", type=float, default=Slo().ttft_s, help="goodput's TTFT target, s")
+    pd.add_argument("--slo-itl", type=float, default=Slo().itl_s, help="goodput's mean-ITL target, s")
+    pd.add_argument(
+        "--slo-stall",
+        type=float,
+        default=Slo().stall_s,
+        help="stall-free goodput's target for a request's longest gap between tokens, s",
+    )
+    pd.add_argument(
+        "--reserve-wait",
+        type=float,
+        default=DEFAULT_RESERVE_WAIT_S,
+        help="how long a decode replica waits for room to receive a prompt's KV before computing the "
+        "prompt itself, s (0: at once)",
+    )
+    pd.add_argument("--link-gbytes", type=float, default=None, help="KV link GB/s (default: the profile's)")

@@ -624,7 +624,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload",
         choices=WORKLOADS,
         default=None,
-        help="generated (bench.workloads): multi-tenant agent sessions, or grouped shared prefixes",
+        help="generated (bench.workloads): multi-tenant agent sessions, grouped shared prefixes, or "
+        "long prompts with long answers (longmix)",
     )
     parser.add_argument(
         "--rate",
@@ -736,7 +737,7 @@ def _pace(args: argparse.Namespace, name: str, params: dict[str, Any], sessions:
     speed = f" at speed {args.speed:g}" if args.speed != 1 else ""
     if name == "agent":
         return f"{len(sessions)} sessions starting within {params['start_window_s']:g} s{speed}"
-    if name == "grouped":
+    if name in ("grouped", "longmix"):
         return f"{len(sessions)} prompts at {params['rate']:g} req/s{speed}"
     rate = f"{args.rate:g} req/s" if args.rate else f"its own times at speed {args.speed:g}"
     return f"{rate} for {args.duration:g} s"

@@ -190,3 +190,57 @@ def grouped_sessions(params: GroupedParams | None = None) -> list[Session]:
     return [
         Session(float(t), (Turn(prompts[i], p.output_tokens),)) for t, i in zip(times, order, strict=True)
     ]
+
+
+# -- long prompts, long answers -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LongMixParams:
+    """Long prompts with long answers (document Q&A, long-context summaries, code review): the traffic
+    where one replica's prefills stall its own decodes, which prefill/decode disaggregation is for.
+
+    Prompt lengths are uniform in [min_prompt_tokens, max_prompt_tokens]; a `shared_share` of them
+    start with one of `documents` shared documents of `document_tokens` (several questions about one
+    document), the rest of every prompt is its own. Answers are uniform in [min_output_tokens,
+    max_output_tokens]. Arrivals are Poisson at `rate` per second."""
+
+    requests: int = 400
+    min_prompt_tokens: int = 4096
+    max_prompt_tokens: int = 16384
+    documents: int = 8
+    document_tokens: int = 3072
+    shared_share: float = 0.5
+    min_output_tokens: int = 300
+    max_output_tokens: int = 1000
+    # Poisson arrivals per second. 4/s loads 4 h100-8b replicas meaningfully: about 40k prompt tokens/s
+    # (two GPUs of prefill at ~85%) and ~35 long decodes per GPU of KV if two GPUs hold them all;
+    # all mixed, four hold ~25% more before either stalls.
+    rate: float = 4.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.requests, self.min_prompt_tokens, self.min_output_tokens, self.documents) < 1:
+            raise ValueError("requests, documents, prompt and output tokens must be at least 1")
+        if self.max_prompt_tokens < self.min_prompt_tokens or self.max_output_tokens < self.min_output_tokens:
+            raise ValueError("each max_* must be at least its min_*")
+        if not 0 <= self.document_tokens < self.min_prompt_tokens:
+            raise ValueError("a shared document must leave every prompt a part of its own")
+        if not 0.0 <= self.shared_share <= 1.0 or self.rate <= 0:
+            raise ValueError("shared_share must be within [0, 1] and rate positive")
+
+
+def longmix_sessions(params: LongMixParams | None = None) -> list[Session]:
+    """`params.requests` single-turn sessions at Poisson times, in arrival order."""
+    p = params or LongMixParams()
+    docs = [_ids(np.random.default_rng([p.seed, _GROUP, d]), p.document_tokens) for d in range(p.documents)]
+    times = np.cumsum(np.random.default_rng([p.seed, _TIMES]).exponential(1.0 / p.rate, p.requests))
+    sessions = []
+    for i, t in enumerate(times):
+        rng = np.random.default_rng([p.seed, _SESSION, i])
+        length = int(rng.integers(p.min_prompt_tokens, p.max_prompt_tokens + 1))
+        head = docs[int(rng.integers(p.documents))] if rng.random() < p.shared_share else []
+        prompt = head + _ids(rng, length - len(head))
+        output = int(rng.integers(p.min_output_tokens, p.max_output_tokens + 1))
+        sessions.append(Session(float(t), (Turn(tuple(prompt), output),)))
+    return sessions

@@ -6,7 +6,7 @@ auth, its own in-flight limit — and forwards everything else as the client sen
 field and vendor extension included, to be judged by the replica that serves it. Chat, completion and
 Responses requests are routed by their prompt's prefix; a Responses request that continues an earlier
 response goes to the replica holding it; every other route (embeddings, scoring, tokenize, any /v1
-path a replica serves) by load.
+path a replica serves) by load, never to a prefill replica (it answers no client).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from gateway.config import GatewayConfig, ReplicaEntry, load_config
 from gateway.gateway import Gateway
 from gateway.openapi import OPENAPI
+from gateway.pd_legs import PAIRED_ROUTES
 from gateway.proxy import ACCOUNTED, Routed, forward
 from gateway.replicas import Replica
 from gateway.request_view import PREFIX_ROUTES, RequestView, Route, read_request
@@ -213,15 +214,16 @@ async def _route_and_forward(gw: Gateway, request: web.Request, route: Route) ->
     replicas = gw.replicas.serving(model) if model is not None else gw.replicas.all()
     tokens = await gw.tokenizers.prompt_ids(view, model) if model is not None else None
     decision = await _decide(gw, request, route, view, replicas, tokens)
-    predicted = None
+    predicted = recorded_tick = None
     if route in PREFIX_ROUTES:
-        gw.metrics.child(gw.metrics.decision, gw.policy.name).observe(decision.seconds)
+        gw.metrics.child(gw.metrics.decision, decision.policy).observe(decision.seconds)
         chosen = gw.replicas.get(decision.order[0]) if decision.order else None
         hashes = decision.hashes.get(chosen.block_size) if chosen is not None else None
         if chosen is not None and hashes and not gw.precise(chosen):
             # What the chosen replica was predicted to hold, as it was before this request: the
             # reuse it reports is checked against it (Predictions.learn).
-            predicted = gw.index.predicted(chosen.id, hashes)
+            predicted = gw.index.predicted(chosen.id, hashes, chosen.pending_horizon())
+            recorded_tick = gw.index.tick_now(chosen.id)
             gw.predictions.record(chosen.id, hashes, time.time())
     routed = Routed(
         route=route,
@@ -237,6 +239,7 @@ async def _route_and_forward(gw: Gateway, request: web.Request, route: Route) ->
         arrival=arrival,
         authorization=request.headers.get("Authorization"),
         predicted=predicted,
+        recorded_tick=recorded_tick,
     )
     return await forward(gw, request, routed)
 
@@ -252,9 +255,10 @@ async def _decide(
     """The policy's choice by prefix, or by load; a stored response's own replica first and alone, when
     it can take the request (no other replica holds that response)."""
     if route in PREFIX_ROUTES:
-        decision = decide(gw.policy, gw.index, replicas, tokens, _session_key(gw, request, view))
+        session = _session_key(gw, request, view)
+        decision = decide(gw.policy, gw.index, replicas, tokens, session, gw.pd, route in PAIRED_ROUTES)
     else:
-        decision = decide(gw.by_load, gw.index, replicas, None)
+        decision = decide(gw.by_load, gw.index, [r for r in replicas if r.role != "prefill"], None)
     found = _RESPONSE_PATH.match(request.path)
     response_id = view.previous_response_id or (found.group(1) if found else None)
     if response_id is not None:
@@ -283,11 +287,12 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Readiness: 200 only while a request could be served now (a routable replica, and the gateway
-    started: it listens only once the tokenizers of the models it knows are loaded)."""
+    """Readiness: 200 only while a request could be served now (a routable replica that answers
+    clients, which a prefill replica does not; and the gateway started: it listens only once the
+    tokenizers of the models it knows are loaded)."""
     gw = request.app[GATEWAY]
     replicas = gw.replicas.all()
-    routable = sum(r.routable for r in replicas)
+    routable = sum(r.routable and r.role != "prefill" for r in replicas)
     degraded = gw.redis_ok is False
     body = {
         "status": ("degraded" if degraded else "ok") if routable else "unavailable",
@@ -386,13 +391,13 @@ async def debug_route(request: web.Request) -> web.Response:
             400, "nothing to route: give a prompt, messages or input", param="prompt", code="invalid_value"
         )
     tokens = await gw.tokenizers.prompt_ids(view, model)
-    decision = decide(
-        gw.policy, gw.index, gw.replicas.serving(model), tokens, _session_key(gw, request, view)
-    )
+    session = _session_key(gw, request, view)
+    replicas = gw.replicas.serving(model)
+    decision = decide(gw.policy, gw.index, replicas, tokens, session, gw.pd, route in PAIRED_ROUTES)
     return web.json_response(
         {
             "model": model,
-            "policy": gw.policy.name,
+            "policy": decision.policy,
             "prompt_tokens": decision.prompt_tokens,
             "tokenized": tokens is not None,
             "order": decision.order,

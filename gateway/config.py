@@ -14,11 +14,15 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from policies import ConfigError, RoutingConfig
+from policies import ConfigError, Role, RoutingConfig
 from policies.config import format_validation_error
 from protocol.vllm_kv_events import check_endpoint, default_replay_endpoint
 
 ReplicaKind = Literal["auto", "bundled", "openai"]
+# How a foreign prefill/decode fleet moves KV between its replicas (gateway.pd_legs).
+PdProtocol = Literal["vllm", "sglang"]
+# SGLang's default --disaggregation-bootstrap-port.
+SGLANG_BOOTSTRAP_PORT = 8998
 
 
 class _Section(BaseModel):
@@ -69,11 +73,34 @@ class ReplicaEntry(_Section):
     kv_events: str | None = None
     # Its replay (ROUTER) socket; default: the same host, port + 1 (none for an ipc:// endpoint).
     kv_events_replay: str | None = None
+    # Its part in a prefill/decode disaggregated fleet (policies.pd). A bundled worker announces its
+    # own: one given here must agree (else the worker's wins, and the log says so).
+    role: Role = "mixed"
+    # How a foreign prefill or decode replica moves KV to its pair: vLLM's kv_transfer_params, or
+    # SGLang's bootstrap fields. Required for a foreign prefill or decode replica.
+    pd_protocol: PdProtocol | None = None
+    # An SGLang prefill server's --disaggregation-bootstrap-port, which its decode servers pull from.
+    bootstrap_port: int = Field(SGLANG_BOOTSTRAP_PORT, ge=1, le=65535)
 
     @field_validator("kv_events", "kv_events_replay")
     @classmethod
     def _zmq(cls, address: str | None) -> str | None:
         return None if address is None else check_endpoint(address)
+
+    @model_validator(mode="after")
+    def _pd(self) -> ReplicaEntry:
+        """A foreign pair needs a protocol, a protocol needs a pair, and only SGLang prefills bootstrap."""
+        if self.pd_protocol is not None:
+            if self.role == "mixed":
+                raise ValueError("pd_protocol needs role: prefill or decode (a mixed replica has no pair)")
+            if self.kind == "bundled":
+                raise ValueError("pd_protocol is for foreign replicas: bundled workers move KV their way")
+        elif self.kind == "openai" and self.role != "mixed":
+            raise ValueError(f"role: {self.role} on a foreign replica needs pd_protocol (vllm or sglang)")
+        sglang_prefill = self.pd_protocol == "sglang" and self.role == "prefill"
+        if "bootstrap_port" in self.model_fields_set and not sglang_prefill:
+            raise ValueError("bootstrap_port is an SGLang prefill's (pd_protocol: sglang, role: prefill)")
+        return self
 
     @model_validator(mode="after")
     def _replay(self) -> ReplicaEntry:

@@ -1,7 +1,7 @@
 """What a replica is and how loaded it is, asked over HTTP or read from Redis (DESIGN §4).
 
-A bundled worker's /health names its id, model, block size, pool and incarnation; a foreign OpenAI
-server only lists its models, so the rest comes from the YAML entry. These functions do the I/O
+A bundled worker's /health names its id, model, block size, pool, incarnation and role; a foreign
+OpenAI server only lists its models, so the rest comes from the YAML entry. These functions do the I/O
 and return plain values; the gateway decides what they mean for its replica set.
 """
 
@@ -17,6 +17,8 @@ from redis.asyncio import Redis
 
 from gateway.config import ReplicaEntry
 from gateway.replicas import Kind, LoadReport, default_replica_id
+from policies import Role
+from protocol.disaggregation import DEFAULT_ROLE, ROLE_FIELD, ROLES
 from protocol.redis_keys import WORKERS, load_key, worker_key
 
 # When a foreign backend does not say its context window.
@@ -42,6 +44,17 @@ class Probe:
     # Its KV events in vLLM's wire format, when configured (ReplicaEntry.kv_events): followed over ZMQ.
     kv_events: str | None = None
     kv_events_replay: str | None = None
+    # Its part in a prefill/decode fleet: announced by a bundled worker, configured for a foreign one.
+    role: Role = "mixed"
+    pd_protocol: str | None = None
+    bootstrap_port: int | None = None
+
+
+def announced_role(fields: dict[str, Any]) -> Role | None:
+    """The role a bundled worker announces (its /health or registry entry; absent: a worker from before
+    roles, which is mixed), or None when it names one the gateway does not know."""
+    role = fields.get(ROLE_FIELD, DEFAULT_ROLE)
+    return role if role in ROLES else None
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float) -> Any:
@@ -69,6 +82,10 @@ async def probe(session: aiohttp.ClientSession, entry: ReplicaEntry, timeout_s: 
     if entry.kind == "bundled" or (entry.kind == "auto" and _is_bundled(health)):
         if not _is_bundled(health):
             raise ProbeFailed(f"{entry.url}/health is not a prefixgate worker's")
+        role = announced_role(health)
+        if role is None:
+            announced = health.get(ROLE_FIELD)
+            raise ProbeFailed(f"{entry.url}/health announces role {announced!r}, not one of {ROLES}")
         return Probe(
             id=entry.id or str(health.get("worker_id") or default_replica_id(entry.url)),
             url=entry.url,
@@ -81,6 +98,12 @@ async def probe(session: aiohttp.ClientSession, entry: ReplicaEntry, timeout_s: 
             incarnation=str(health["incarnation"]),
             kv_events=entry.kv_events,
             kv_events_replay=entry.kv_events_replay,
+            role=role,
+        )
+    if entry.role != "mixed" and entry.pd_protocol is None:
+        raise ProbeFailed(
+            f"{entry.url} is not a prefixgate worker: a foreign {entry.role} replica needs pd_protocol "
+            "(vllm or sglang)"
         )
     models = await _get_json(session, f"{entry.url}/v1/models", timeout_s)
     data = models.get("data") if isinstance(models, dict) else None
@@ -91,6 +114,7 @@ async def probe(session: aiohttp.ClientSession, entry: ReplicaEntry, timeout_s: 
     if model not in ids:
         raise ProbeFailed(f"{entry.url} does not serve {model!r} (it lists {ids})")
     listed = next(m for m in data if isinstance(m, dict) and m.get("id") == model)
+    sglang_prefill = entry.pd_protocol == "sglang" and entry.role == "prefill"
     return Probe(
         id=entry.id or default_replica_id(entry.url),
         url=entry.url,
@@ -103,6 +127,9 @@ async def probe(session: aiohttp.ClientSession, entry: ReplicaEntry, timeout_s: 
         incarnation=None,
         kv_events=entry.kv_events,
         kv_events_replay=entry.kv_events_replay,
+        role=entry.role,
+        pd_protocol=entry.pd_protocol,
+        bootstrap_port=entry.bootstrap_port if sglang_prefill else None,
     )
 
 
@@ -150,8 +177,9 @@ async def read_registry(redis: Redis) -> list[Registered]:
     wall, mono = time.time(), time.monotonic()
     found = []
     for fields, raw_load in zip(replies[::2], replies[1::2], strict=True):
-        if not fields:
-            continue
+        role = announced_role(fields) if fields else None
+        if role is None:
+            continue  # expired, or a role this gateway does not know: not ours to route to
         try:
             probe = Probe(
                 id=fields["id"],
@@ -163,6 +191,7 @@ async def read_registry(redis: Redis) -> list[Registered]:
                 max_context_len=int(fields["max_context_len"]),
                 max_waiting=256,
                 incarnation=fields.get("incarnation"),
+                role=role,
             )
         except (KeyError, ValueError):
             continue  # a half-written or foreign entry: not ours to route to

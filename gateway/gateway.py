@@ -30,7 +30,7 @@ from gateway.response_owners import ResponseOwners
 from gateway.tokenizers import Tokenizers
 from gateway.upstream import UpstreamClient
 from gateway.zmq_sync import ZmqSource, ZmqSync
-from policies import Policy, build_policy
+from policies import Policy, PrefillDecode, build_pd, build_policy
 from policies.least_load import LeastLoad
 from protocol.cancellation import check_cancelled
 from protocol.redis_client import connect
@@ -41,6 +41,8 @@ log = logging.getLogger("prefixgate.gateway")
 # Predicted and exact entries together stay under this many (hash, replica) pairs.
 INDEX_MAX_ENTRIES = 4_000_000
 REDIS_TIMEOUT_S = 5.0
+# A foreign backend's configured capacity is taken this many times over (Gateway._capacity_prior).
+PRIOR_SLACK = 4
 
 
 @dataclass
@@ -53,6 +55,8 @@ class Gateway:
     # Static and admin-added entries not yet answering (probed every health interval).
     pending: dict[str, tuple[ReplicaEntry, Source]] = field(default_factory=dict)
     policy: Policy = field(init=False)
+    # Models served by prefill and decode replicas are routed in pairs (policies.pd).
+    pd: PrefillDecode = field(init=False)
     # Routes with no prompt to match (embeddings, scoring, any other /v1 route) go by load.
     by_load: Policy = field(default_factory=LeastLoad)
     session: aiohttp.ClientSession = field(init=False)
@@ -75,6 +79,7 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.policy = build_policy(self.config.routing)
+        self.pd = build_pd(self.config.routing)
         self.tokenizers = _tokenizers(self.config)
 
     @property
@@ -168,6 +173,9 @@ class Gateway:
             prefill_rate=self.config.learning.prefill_rate_prior,
             max_waiting=found.max_waiting,
             incarnation=found.incarnation,
+            role=found.role,
+            pd_protocol=found.pd_protocol,
+            bootstrap_port=found.bootstrap_port,
         )
         self.replicas.add(replica)
         self.tokenizers.ensure(replica.model)
@@ -175,7 +183,7 @@ class Gateway:
         events = None if self.approximate_everywhere else found.kv_events
         precise = events is not None or self.precise(replica)
         self.index.add_replica(
-            replica.id, capacity_blocks=None if precise else replica.capacity_blocks, learn=not precise
+            replica.id, capacity_blocks=self._capacity_prior(replica, precise), learn=not precise
         )
         if events is not None:
             source = ZmqSource(events, found.kv_events_replay)
@@ -183,14 +191,26 @@ class Gateway:
         elif precise:
             self.sync.start(replica.id, replica.url)
         log.info(
-            "replica %s joined: %s %s at %s (%s)",
+            "replica %s joined: %s %s %s at %s (%s)",
             replica.id,
             replica.kind,
+            replica.role,
             replica.model,
             replica.url,
             source,
         )
         return replica
+
+    @staticmethod
+    def _capacity_prior(replica: Replica, precise: bool) -> int | None:
+        """Where a predicted replica's learned capacity starts. A bundled worker's pool is known; a
+        foreign backend's configured capacity is a guess, and is taken PRIOR_SLACK times over: a bound
+        too loose is learned down within a few requests (each prediction it turns out to lack tightens
+        it), but one too tight is learned up only when routing happens to send a request where the
+        bound had dropped its prefix, which a tight bound makes rare."""
+        if precise or replica.capacity_blocks is None:
+            return None
+        return replica.capacity_blocks * (PRIOR_SLACK if replica.kind == "openai" else 1)
 
     async def deactivate(self, replica_id: str) -> Replica | None:
         replica = self.replicas.remove(replica_id)
@@ -215,6 +235,7 @@ class Gateway:
         existing = self.replicas.get(found.id) or self.replicas.by_url(found.url)
         if existing is not None:
             return existing
+        _check_announced(entry, found)
         return self.activate(found, source)
 
     async def _probe_pending(self) -> None:
@@ -247,6 +268,10 @@ class Gateway:
         replica.down_since = None
         replica.incarnation = found.incarnation
         replica.max_waiting = found.max_waiting
+        if replica.kind == "bundled" and replica.role != found.role:
+            # Restarted with another --role: routed as what it is now.
+            log.info("replica %s is now a %s worker (was %s)", replica.id, found.role, replica.role)
+            replica.role = found.role
 
     async def _health_loop(self) -> None:
         await asyncio.gather(self._probe_pending(), *(self._check(r) for r in self.replicas.all()))
@@ -302,6 +327,7 @@ class Gateway:
         tokenizers = _tokenizers(config)
         self.config = config
         self.policy = build_policy(config.routing)
+        self.pd = build_pd(config.routing)
         await tokenizers.load(self.known_models())
         self.tokenizers.close()
         self.tokenizers = tokenizers
@@ -344,6 +370,29 @@ class Gateway:
 
     def now(self) -> float:
         return time.monotonic()
+
+
+def _check_announced(entry: ReplicaEntry, found: Probe) -> None:
+    """A bundled worker's own role wins over the entry's: it is what the worker does whatever the YAML
+    says. A disagreement is a configuration mistake, logged as an error for the operator to fix."""
+    if found.kind != "bundled":
+        return
+    if "role" in entry.model_fields_set and entry.role != found.role:
+        log.error(
+            "replica %s: the config says role %s but the worker announces %s; routing it as %s (fix the "
+            "entry's role, or the worker's --role)",
+            entry.url,
+            entry.role,
+            found.role,
+            found.role,
+        )
+    if entry.pd_protocol is not None:
+        log.error(
+            "replica %s is a prefixgate worker: its pd_protocol %s is ignored (bundled workers move KV "
+            "their own way)",
+            entry.url,
+            entry.pd_protocol,
+        )
 
 
 def _tokenizers(config: GatewayConfig) -> Tokenizers:

@@ -130,6 +130,28 @@ class GatewayMetrics:
             ("model", "reason"),
             registry=registry,
         )
+        self.pd_requests = Counter(
+            "prefixgate_gateway_pd_requests",
+            "Attempts sent to a prefill/decode pair: the prefill replica computes the prompt, the decode "
+            "replica answers",
+            ("model", "prefill", "decode"),
+            registry=registry,
+        )
+        self.pd_transferred_tokens = Counter(
+            "prefixgate_gateway_pd_transferred_tokens",
+            "Prompt tokens a bundled decode worker received from its prefill worker instead of computing "
+            "them (its x-prefixgate-transferred-tokens)",
+            ("model", "prefill", "decode"),
+            registry=registry,
+        )
+        self.pd_fallbacks = Counter(
+            "prefixgate_gateway_pd_fallbacks",
+            "Paired requests whose decode replica computed the prompt itself because the prefill replica "
+            "failed (a bundled decode worker's x-prefixgate-prefill-error, or a vLLM prefill answer "
+            "without kv_transfer_params)",
+            ("model", "prefill"),
+            registry=registry,
+        )
         self.redis_up = Gauge(
             "prefixgate_gateway_redis_up",
             "1 while the gateway reaches Redis; 0: degraded, routing on its local index",

@@ -71,6 +71,11 @@ _ROUTED_HEADERS = {
     },
     "x-prefixgate-predicted-cached-tokens": {"schema": {"type": "string", "pattern": "^[0-9]+$"}},
     "x-prefixgate-policy": {"schema": {"type": "string"}},
+    "x-prefixgate-prefill-replica": {
+        "description": "the prefill replica that computed the prompt for the replica that served it (only "
+        "for a model served by prefill and decode replicas, when one was paired)",
+        "schema": {"type": "string"},
+    },
 }
 _SECURITY_V1 = [{"apiKey": []}, {}]
 _SECURITY_ADMIN = [{"adminToken": []}, {}]

@@ -21,25 +21,31 @@ bundled worker abort the sequence and free its blocks.
 For a replica whose cache is predicted, what it reports reusing corrects the prediction
 (Predictions.learn). A stream to a foreign one asks for its usage when the client did not
 (`approximate.request_usage`), and that usage event is left out of what the client receives.
+
+A model served by prefill and decode replicas is routed in pairs (policies.pd): each attempt goes to a
+decode replica, with the prefill side of the pair handled by gateway.pd_legs; a failed attempt is
+retried on the next pair, and the client gets the decode replica's answer, naming the prefill replica
+in `x-prefixgate-prefill-replica`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
 
 from gateway.gateway import Gateway
+from gateway.pd_legs import REFUSALS, PrefillFailed, PrefillLeg, prefill_leg
 from gateway.replicas import Replica
 from gateway.request_view import PREFIX_ROUTES, Route
 from gateway.router import Decision
 from gateway.sse_events import ResponseIdScan, UsageStrip, carries_output, usage_numbers
-from gateway.upstream import UpstreamError, UpstreamResponse
+from gateway.upstream import UpstreamError, UpstreamResponse, error_kind
 from protocol.errors import CLIENT_GONE, ApiError
 from protocol.openai_responses import CACHED_TOKENS_HEADER, SSE_DONE, sse
 from radix.index import Predicted
@@ -48,7 +54,7 @@ REPLICA_HEADER = "x-prefixgate-replica"
 MATCHED_BLOCKS_HEADER = "x-prefixgate-matched-blocks"
 PREDICTED_CACHED_HEADER = "x-prefixgate-predicted-cached-tokens"
 POLICY_HEADER = "x-prefixgate-policy"
-_RETRY_ELSEWHERE = (429, 503)
+PREFILL_REPLICA_HEADER = "x-prefixgate-prefill-replica"
 _TAIL_BYTES = 2048
 # Set on a request once its outcome is counted, so that the cancellation of a client that left is not
 # counted again, unlabelled, by the middleware.
@@ -66,6 +72,7 @@ _HOP_BY_HOP = {
 # a foreign one is asked to end with their usage.
 _ID_ROUTES = frozenset({"chat", "completions"})
 _SSE = "text/event-stream"
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -89,36 +96,83 @@ class Routed:
     # The client's Authorization header, forwarded only when configured.
     authorization: str | None
     # What the first choice was predicted to hold of the prompt, before this request was recorded there:
-    # what its reported reuse is checked against (Predictions.learn). None: not predicted.
+    # what its reported reuse is checked against (Predictions.learn), and the replica's index tick at
+    # that record. None: not predicted.
     predicted: Predicted | None = None
+    recorded_tick: int | None = None
 
 
-def _payload(gw: Gateway, routed: Routed, replica: Replica) -> tuple[bytes, bool]:
+@dataclass(slots=True)
+class _Attempt:
+    """One try of a routed request: the replica that answers, its accounting handle, and the prefill
+    side when it is paired with a prefill replica."""
+
+    replica: Replica
+    handle: int
+    leg: PrefillLeg | None
+
+
+@dataclass(slots=True)
+class _Failures:
+    """How the failed attempts so far ended: what the client is told when every choice failed."""
+
+    # The last failure, in words.
+    last: str = ""
+    # How it ended: "timeout" (no answer in time), "refused" (429/503), or another failure.
+    kind: str = ""
+    # The last refusal, with its Retry-After: the fleet is full, not broken.
+    refusal: ApiError | None = None
+
+    def failed(self, gw: Gateway, replica: Replica, kind: str, message: str) -> None:
+        gw.mark_failure(replica)
+        gw.metrics.upstream_errors.labels(replica.id, kind).inc()
+        self.last, self.kind = message, "timeout" if kind == "timeout" else "error"
+
+    def refused(
+        self, gw: Gateway, replica: Replica, status: int, headers: Mapping[str, str], model: str
+    ) -> None:
+        gw.metrics.upstream_errors.labels(replica.id, f"http_{status}").inc()
+        self.last, self.kind = f"replica {replica.id} answered {status}", "refused"
+        self.refusal = _refusal(status, headers, model)
+
+
+def _payload(
+    gw: Gateway, routed: Routed, replica: Replica, fields: Mapping[str, Any] | None = None
+) -> tuple[bytes, bool]:
     """What goes to `replica`, and whether a usage event the client did not ask for will come back.
 
-    Bundled workers get the ids the gateway tokenized (no second tokenization); a stream to a foreign
-    replica whose cache is predicted asks for usage; everything else goes as the client sent it."""
+    Bundled workers get the ids the gateway tokenized (no second tokenization); a paired decode
+    replica gets the prefill side's `fields`; an unpaired stream to a foreign replica whose cache is
+    predicted asks for usage (a paired one's is not learned from: see _learn); everything else goes
+    as the client sent it."""
     body = routed.body
     if body is None or routed.route not in _ID_ROUTES:
         return routed.raw, False
+    added = dict(fields or {})
+    strip_usage = False
     if replica.kind == "bundled":
         if routed.tokenized and routed.tokens is not None and "prefixgate_token_ids" not in body:
-            return orjson.dumps({**body, "prefixgate_token_ids": routed.tokens}), False
-        return routed.raw, False
+            added["prefixgate_token_ids"] = routed.tokens
+    elif not added and _asks_usage(gw, replica, body):
+        options = body.get("stream_options")
+        added["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        strip_usage = True
+    return (orjson.dumps({**body, **added}) if added else routed.raw), strip_usage
+
+
+def _asks_usage(gw: Gateway, replica: Replica, body: dict[str, Any]) -> bool:
+    """Whether a stream to a foreign replica must ask for the usage the client did not, to learn from."""
     options = body.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-    if body.get("stream") is not True or wants_usage or gw.precise(replica):
-        return routed.raw, False
-    if not gw.config.approximate.request_usage:
-        return routed.raw, False
-    asked = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-    return orjson.dumps({**body, "stream_options": asked}), True
+    streams = body.get("stream") is True
+    return streams and not wants_usage and not gw.precise(replica) and gw.config.approximate.request_usage
 
 
 def _upstream_headers(gw: Gateway, routed: Routed, payload: bytes) -> dict[str, str]:
     headers = routed.headers
-    if payload is not routed.raw:  # re-encoded with the ids: JSON, whatever the client called it
-        headers = {**headers, "Content-Type": "application/json"}
+    if payload is not routed.raw:  # re-encoded: JSON, whatever the client called it
+        headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
+        headers["Content-Type"] = "application/json"
     key = gw.config.upstream_key()
     if key is not None:
         headers = {**headers, "Authorization": f"Bearer {key}"}
@@ -127,13 +181,17 @@ def _upstream_headers(gw: Gateway, routed: Routed, payload: bytes) -> dict[str, 
     return headers
 
 
-def _response_headers(upstream: UpstreamResponse, replica: Replica, routed: Routed, gw: Gateway) -> dict:
+def _response_headers(upstream: Mapping[str, str], attempt: _Attempt, routed: Routed) -> dict[str, str]:
+    """The replica's answer headers, less its connection's, plus the gateway's routing headers."""
+    replica = attempt.replica
     view = routed.decision.view_of(replica.id)
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP}
+    headers = {k: v for k, v in upstream.items() if k.lower() not in _HOP_BY_HOP}
     headers[REPLICA_HEADER] = replica.id
     headers[MATCHED_BLOCKS_HEADER] = str(view.matched_blocks)
     headers[PREDICTED_CACHED_HEADER] = str(min(view.cached_tokens, routed.decision.prompt_tokens))
-    headers[POLICY_HEADER] = gw.policy.name
+    headers[POLICY_HEADER] = routed.decision.policy
+    if attempt.leg is not None:
+        headers[PREFILL_REPLICA_HEADER] = attempt.leg.prefill.id
     return headers
 
 
@@ -151,92 +209,140 @@ async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.Stre
     order = [rid for rid in routed.decision.order if rid in gw.replicas][: limits.max_attempts]
     if not order:
         raise ApiError(
-            503,
-            f"no healthy replica serves {routed.model!r} right now",
-            code="no_replica_available",
-            headers={"Retry-After": "1"},
+            503, _unavailable(gw, routed.model), code="no_replica_available", headers={"Retry-After": "1"}
         )
-    last_error = ""
-    # How the last failed attempt ended: "timeout" (no answer in time), "refused" (429/503), other.
-    last_kind = ""
-    refusal: ApiError | None = None
-    for attempt, rid in enumerate(order):
+    failures = _Failures()
+    for attempt_no, rid in enumerate(order):
         replica = gw.replicas.get(rid)
         if replica is None:
             continue
-        final = attempt == len(order) - 1
-        view = routed.decision.view_of(rid)
-        uncached = max(routed.decision.prompt_tokens - view.cached_tokens, 0)
-        handle = gw.replicas.dispatched(replica, time.monotonic(), uncached)
-        payload, strip_usage = _payload(gw, routed, replica)
+        final = attempt_no == len(order) - 1
         try:
-            try:
-                upstream = await gw.upstream.request(
-                    routed.method,
-                    replica.url,
-                    routed.target,
-                    payload,
-                    _upstream_headers(gw, routed, payload),
-                    connect_s=limits.connect_timeout_s,
-                    read_s=limits.request_timeout_s,
-                )
-            except (TimeoutError, UpstreamError) as error:
-                gw.mark_failure(replica)
-                gw.metrics.upstream_errors.labels(rid, _kind(error)).inc()
-                last_error = f"replica {rid} could not be reached: {error!r}"
-                last_kind = "timeout" if isinstance(error, TimeoutError) else "error"
-                _retrying(gw, routed, _kind(error), final)
-                continue
-            try:
-                if upstream.status in _RETRY_ELSEWHERE and not final:
-                    gw.metrics.upstream_errors.labels(rid, f"http_{upstream.status}").inc()
-                    last_error = f"replica {rid} answered {upstream.status}"
-                    last_kind = "refused"
-                    refusal = _refusal(upstream.status, upstream.headers, routed.model)
-                    _retrying(gw, routed, f"http_{upstream.status}", final)
-                    continue
-                if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith(_SSE):
-                    first = await _until_output(upstream)
-                    return await _relay_stream(
-                        gw, request, routed, replica, handle, upstream, first, strip_usage
-                    )
-                return await _relay_body(gw, routed, replica, handle, upstream)
-            except (TimeoutError, UpstreamError) as error:
-                # The replica failed before the client saw any output: the next choice can still serve it.
-                gw.mark_failure(replica)
-                gw.metrics.upstream_errors.labels(rid, _kind(error)).inc()
-                last_error = f"replica {rid} failed before its first output: {error!r}"
-                last_kind = "timeout" if isinstance(error, TimeoutError) else "error"
-                _retrying(gw, routed, _kind(error), final)
-                continue
-            except asyncio.CancelledError:
-                if not request.get(ACCOUNTED):
-                    _account(gw, routed, replica, CLIENT_GONE, None)
-                    request[ACCOUNTED] = True
-                raise
-            finally:
-                # Back to the pool when read to the end; closed otherwise (the client left, or a
-                # refusal went unread), which is what tells a worker to abort.
-                upstream.release()
-        finally:
-            gw.replicas.finished(replica, handle)
-    if refusal is not None:
+            return await _attempt(gw, request, routed, replica, failures, final)
+        except _Retry as retry:
+            _retrying(gw, routed, retry.reason, final)
+    if failures.refusal is not None:
         # A replica that is up but full said when to come back: that, not a 5xx, is the answer for a
         # client whose other choices could not be reached either.
-        raise refusal
-    if last_kind == "timeout":
+        raise failures.refusal
+    if failures.kind == "timeout":
         raise ApiError(
             504,
             f"no replica tried for {routed.model!r} answered in time (limits: connect_timeout_s "
             f"{limits.connect_timeout_s:g}, request_timeout_s {limits.request_timeout_s:g}); "
-            f"last: {last_error}",
+            f"last: {failures.last}",
             code="upstream_timeout",
         )
     raise ApiError(
         502,
-        f"every replica tried for {routed.model!r} failed; last: {last_error}",
+        f"every replica tried for {routed.model!r} failed; last: {failures.last}",
         code="upstream_unavailable",
     )
+
+
+class _Retry(Exception):
+    """The attempt failed before any output reached the client: the next choice can still serve it."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+async def _attempt(
+    gw: Gateway, request: web.Request, routed: Routed, replica: Replica, failures: _Failures, final: bool
+) -> web.StreamResponse:
+    """One try on `replica` (and its prefill replica, when paired): its answer relayed, or _Retry."""
+    limits = gw.config.limits
+    decision = routed.decision
+    uncached = max(decision.prompt_tokens - decision.view_of(replica.id).cached_tokens, 0)
+    recorded = routed.recorded_tick if replica.id == decision.order[0] else None
+    leg = prefill_leg(gw, routed, replica)
+    # A paired decode replica receives the prompt's KV rather than computing it; it holds it either way.
+    computed = 0 if leg is not None else uncached
+    blocks = -(-uncached // replica.block_size)
+    handle = gw.replicas.dispatched(replica, time.monotonic(), computed, recorded, blocks)
+    attempt = _Attempt(replica, handle, leg)
+    upstream: UpstreamResponse | None = None
+    try:
+        fields = await leg.start(_upstream_headers(gw, routed, routed.raw)) if leg is not None else {}
+        payload, strip_usage = _payload(gw, routed, replica, fields)
+        headers = _upstream_headers(gw, routed, payload) | (leg.headers if leg is not None else {})
+        if leg is not None:
+            leg.sending(payload, headers)
+        sent = gw.upstream.request(
+            routed.method,
+            replica.url,
+            routed.target,
+            payload,
+            headers,
+            connect_s=limits.connect_timeout_s,
+            read_s=limits.request_timeout_s,
+        )
+        upstream = await _guarded(leg, sent)
+        if leg is not None:
+            leg.on_head(upstream.headers)
+        if upstream.status in REFUSALS and not final:
+            failures.refused(gw, replica, upstream.status, upstream.headers, routed.model)
+            raise _Retry(f"http_{upstream.status}")
+        if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith(_SSE):
+            first = await _guarded(leg, _until_output(upstream))
+            if leg is not None:
+                leg.answered()
+            return await _relay_stream(gw, request, routed, attempt, upstream, first, strip_usage)
+        body = await _guarded(leg, upstream.read())
+        if leg is not None and upstream.status == 200:
+            leg.answered()
+        return await _relay_body(gw, routed, attempt, upstream.status, upstream.headers, body)
+    except PrefillFailed as error:
+        assert leg is not None
+        if error.client_error:
+            # The client's mistake, which the decode replica would refuse alike: the answer.
+            return await _relay_body(gw, routed, attempt, error.status or 400, error.headers, error.body)
+        if error.refused and error.status is not None:
+            failures.refused(gw, leg.prefill, error.status, error.headers, routed.model)
+        else:
+            failures.failed(gw, leg.prefill, error.kind, str(error))
+        raise _Retry(error.kind) from None
+    except (TimeoutError, UpstreamError) as error:
+        # The replica failed before the client saw any output: the next choice can still serve it.
+        when = "could not be reached" if upstream is None else "failed before its first output"
+        failures.failed(gw, replica, error_kind(error), f"replica {replica.id} {when}: {error!r}")
+        raise _Retry(error_kind(error)) from None
+    except asyncio.CancelledError:
+        # The client left while an answer was awaited: counted with the replica it was on (one that
+        # leaves before the answer's head is counted unlabelled, by the middleware).
+        if upstream is not None and not request.get(ACCOUNTED):
+            _account(gw, routed, attempt, CLIENT_GONE, None)
+            request[ACCOUNTED] = True
+        raise
+    finally:
+        if upstream is not None:
+            # Back to the pool when read to the end; closed otherwise (the client left, or a refusal
+            # went unread), which is what tells a worker to abort.
+            upstream.release()
+        gw.replicas.finished(replica, handle)
+        if leg is not None:
+            await leg.close()
+
+
+async def _guarded(leg: PrefillLeg | None, pending: Awaitable[T]) -> T:
+    """A wait for the replica that answers, given up if its prefill side fails first."""
+    return await (leg.guard(pending) if leg is not None else pending)
+
+
+def _unavailable(gw: Gateway, model: str) -> str:
+    """Why no replica can take a request for `model` now, in words for the client."""
+    replicas = gw.replicas.serving(model)
+    prefill = [r.id for r in replicas if r.role == "prefill" and r.routable]
+    answering = [r for r in replicas if r.role != "prefill" and r.routable]
+    if prefill and not answering:
+        return (
+            f"no decode replica of {model!r} is available right now; its prefill replicas "
+            f"({', '.join(prefill)}) compute prompts for decode replicas and answer no client"
+        )
+    if answering and all(r.role == "decode" and r.pd_protocol == "sglang" for r in answering):
+        return f"the SGLang decode replicas of {model!r} need a prefill replica, and none is available"
+    return f"no healthy replica serves {model!r} right now"
 
 
 async def _until_output(upstream: UpstreamResponse) -> bytes:
@@ -253,11 +359,6 @@ def _retrying(gw: Gateway, routed: Routed, reason: str, final: bool) -> None:
         gw.metrics.child(gw.metrics.retries, routed.model, reason).inc()
 
 
-def _kind(error: TimeoutError | UpstreamError) -> str:
-    """The upstream_errors label: how the exchange failed."""
-    return error.kind if isinstance(error, UpstreamError) else "timeout"
-
-
 def _refusal(status: int, headers: Mapping[str, str], model: str) -> ApiError:
     """A replica's 429/503 as the gateway's own answer, keeping its Retry-After (1 s if it gave none)."""
     retry_after = headers.get("Retry-After", "1")
@@ -269,10 +370,12 @@ def _refusal(status: int, headers: Mapping[str, str], model: str) -> ApiError:
 
 
 def _account(
-    gw: Gateway, routed: Routed, replica: Replica, status: int, usage: tuple[int | None, int | None]
+    gw: Gateway, routed: Routed, attempt: _Attempt, status: int, usage: tuple[int | None, int | None]
 ) -> None:
     m = gw.metrics
-    m.child(m.requests, routed.model, replica.id, gw.policy.name, str(status), routed.route).inc()
+    replica = attempt.replica
+    policy = routed.decision.policy
+    m.child(m.requests, routed.model, replica.id, policy, str(status), routed.route).inc()
     m.child(m.e2e, routed.model, replica.id).observe(time.monotonic() - routed.arrival)
     if status != 200:
         return
@@ -283,71 +386,76 @@ def _account(
     reported_prompt, cached = usage
     if cached is not None:
         m.child(m.realised_cached, routed.model, replica.id).inc(cached)
-        _learn(gw, routed, replica, reported_prompt, cached)
+        _learn(gw, routed, replica, reported_prompt, cached, paired=attempt.leg is not None)
 
 
-def _learn(gw: Gateway, routed: Routed, replica: Replica, reported_prompt: int | None, cached: int) -> None:
+def _learn(
+    gw: Gateway, routed: Routed, replica: Replica, reported_prompt: int | None, cached: int, paired: bool
+) -> None:
     """Correct the predicted cache of `replica` by what it reports it reused of this prompt.
 
     The report counts the replica's own tokens, which need not be the gateway's (another tokenizer):
     it is read as the share of the prompt reused, and a block short of the prediction is then
     rounding, not evidence. A replica that was not the first choice was not predicted to hold the
-    prompt; it has it now."""
+    prompt; it has it now. A decode replica paired with a prefill replica received the prompt's KV:
+    what it reports reusing says nothing of what it held before."""
     hashes = routed.decision.hashes.get(replica.block_size)
     if routed.route not in PREFIX_ROUTES or not hashes or gw.precise(replica):
         return
     first = replica.id == routed.decision.order[0]
-    predicted = routed.predicted if first else gw.index.predicted(replica.id, hashes)
-    if predicted is None:
-        return
-    ours = routed.decision.prompt_tokens
-    exact = reported_prompt is None or reported_prompt == ours
-    reused = cached if exact else cached * ours // max(reported_prompt or 1, 1)
-    realised = min(reused // replica.block_size, len(hashes))
-    if not exact and realised == predicted.blocks - 1:
-        realised = predicted.blocks
-    gw.predictions.learn(replica.id, predicted, realised)
+    if not paired:
+        predicted = (
+            routed.predicted if first else gw.index.predicted(replica.id, hashes, replica.pending_horizon())
+        )
+        if predicted is None:
+            return
+        ours = routed.decision.prompt_tokens
+        exact = reported_prompt is None or reported_prompt == ours
+        reused = cached if exact else cached * ours // max(reported_prompt or 1, 1)
+        realised = min(reused // replica.block_size, len(hashes))
+        if not exact and realised == predicted.blocks - 1:
+            realised = predicted.blocks
+        gw.predictions.learn(replica.id, predicted, realised)
     if not first:
         gw.predictions.record(replica.id, hashes)
 
 
-def _first_token(gw: Gateway, routed: Routed, replica: Replica, handle: int) -> None:
+def _first_token(gw: Gateway, routed: Routed, attempt: _Attempt) -> None:
     ttft = time.monotonic() - routed.arrival
-    gw.metrics.child(gw.metrics.ttft, routed.model, replica.id).observe(ttft)
+    gw.metrics.child(gw.metrics.ttft, routed.model, attempt.replica.id).observe(ttft)
     learn = gw.config.learning
-    gw.replicas.started(replica, handle, ttft, alpha=learn.ewma_alpha, min_tokens=learn.min_prefill_tokens)
+    gw.replicas.started(
+        attempt.replica, attempt.handle, ttft, alpha=learn.ewma_alpha, min_tokens=learn.min_prefill_tokens
+    )
 
 
 async def _relay_body(
-    gw: Gateway, routed: Routed, replica: Replica, handle: int, upstream: UpstreamResponse
+    gw: Gateway, routed: Routed, attempt: _Attempt, status: int, headers: Mapping[str, str], body: bytes
 ) -> web.Response:
-    body = await upstream.read()
-    if upstream.status == 200:
-        _first_token(gw, routed, replica, handle)
+    if status == 200:
+        _first_token(gw, routed, attempt)
         if routed.route == "responses":
             response_id = _response_id(body)
             if response_id is not None:
-                await gw.response_owners.remember(response_id, replica.id)
-    _account(gw, routed, replica, upstream.status, _usage(upstream.headers, body[-_TAIL_BYTES:]))
-    return web.Response(
-        body=body, status=upstream.status, headers=_response_headers(upstream, replica, routed, gw)
-    )
+                await gw.response_owners.remember(response_id, attempt.replica.id)
+    _account(gw, routed, attempt, status, _usage(headers, body[-_TAIL_BYTES:]))
+    return web.Response(body=body, status=status, headers=_response_headers(headers, attempt, routed))
 
 
 async def _relay_stream(
     gw: Gateway,
     request: web.Request,
     routed: Routed,
-    replica: Replica,
-    handle: int,
+    attempt: _Attempt,
     upstream: UpstreamResponse,
     first: bytes,
     strip_usage: bool,
 ) -> web.StreamResponse:
     """Relay from the first output on. If the replica fails once output has reached the client, the
     stream ends the way OpenAI streams report errors: an error event, then [DONE]."""
-    _first_token(gw, routed, replica, handle)
-    response = web.StreamResponse(status=200, headers=_response_headers(upstream, replica, routed, gw))
+    replica = attempt.replica
+    _first_token(gw, routed, attempt)
+    response = web.StreamResponse(status=200, headers=_response_headers(upstream.headers, attempt, routed))
     tail = first[-_TAIL_BYTES:]
     status = 200
     # A Responses stream names its response in its first event: remembered with its replica, and known
@@ -383,7 +491,7 @@ async def _relay_stream(
                 chunk += strip.flush()
         except (TimeoutError, UpstreamError) as error:
             gw.mark_failure(replica)
-            gw.metrics.upstream_errors.labels(replica.id, _kind(error)).inc()
+            gw.metrics.upstream_errors.labels(replica.id, error_kind(error)).inc()
             if isinstance(error, TimeoutError):  # silent for limits.request_timeout_s: stuck, or far too slow
                 silent = gw.config.limits.request_timeout_s
                 message, code, status = f"sent nothing for {silent:g} s mid-stream", "upstream_timeout", 504
@@ -400,12 +508,12 @@ async def _relay_stream(
         # the replica's end of stream.
         if status == 200 and not tail.endswith(SSE_DONE):
             status = CLIENT_GONE
-        _account(gw, routed, replica, status, _usage(upstream.headers, tail))
+        _account(gw, routed, attempt, status, _usage(upstream.headers, tail))
         request[ACCOUNTED] = True
         if isinstance(error, asyncio.CancelledError):
             raise
         return response
-    _account(gw, routed, replica, status, _usage(upstream.headers, tail))
+    _account(gw, routed, attempt, status, _usage(upstream.headers, tail))
     return response
 
 

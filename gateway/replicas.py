@@ -11,11 +11,12 @@ Pure state, no I/O: discovery (gateway.discovery) and the request path update it
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from policies import ReplicaView
+from policies import ReplicaView, Role
 
 Kind = Literal["bundled", "openai"]
 Source = Literal["config", "registry", "admin"]
@@ -40,6 +41,11 @@ class InFlight:
     # Prefill work queued ahead of it when it was placed: what its TTFT also paid for.
     queued_ahead: int
     started: bool = False
+    # The replica's index tick when this request's prompt was recorded as predicted there (None: not
+    # recorded): until its first token, blocks recorded since may not be computed yet.
+    recorded_tick: int | None = None
+    # KV blocks the request's uncached prompt takes there (computed or transferred).
+    kv_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -65,6 +71,11 @@ class Replica:
     down_since: float | None = None
     report: LoadReport = field(default_factory=LoadReport)
     inflight: dict[int, InFlight] = field(default_factory=dict)
+    # Prefill/decode disaggregation (policies.pd): its role, how a foreign one moves KV to its pair
+    # (None: prefixgate's own), and an SGLang prefill server's bootstrap port.
+    role: Role = "mixed"
+    pd_protocol: str | None = None
+    bootstrap_port: int | None = None
 
     @property
     def routable(self) -> bool:
@@ -83,6 +94,14 @@ class Replica:
                 queued += req.prefill_tokens
         return running, waiting, queued
 
+    def free_blocks(self) -> int | None:
+        """KV blocks no sequence holds, as last reported less what the gateway placed there since (None:
+        not reported, as for a foreign backend)."""
+        if self.report.kv_blocks_total <= 0:
+            return None
+        placed = sum(r.kv_blocks for r in self.inflight.values() if r.dispatched > self.report.at)
+        return max(self.report.kv_blocks_total - self.report.kv_blocks_used - placed, 0)
+
     def view(self, matched_blocks: int, cached_blocks: int, prefill_rate: float) -> ReplicaView:
         """What a policy sees: this request's match, the load, how many blocks the index holds for the
         replica in all (how full its cache is believed to be), and the prefill rate to route by."""
@@ -98,7 +117,19 @@ class Replica:
             max_waiting=self.max_waiting,
             prefill_rate=prefill_rate,
             cached_blocks=cached_blocks,
+            role=self.role,
+            free_blocks=self.free_blocks(),
+            pd_protocol=self.pd_protocol,
+            local_prefill=not (self.role == "decode" and self.pd_protocol == "sglang"),
         )
+
+    def pending_horizon(self) -> float:
+        """The earliest index tick a request still waiting for its first token was recorded at: blocks
+        used since may not be computed on the replica yet (radix.index.Predicted.horizon)."""
+        ticks = [
+            r.recorded_tick for r in self.inflight.values() if not r.started and r.recorded_tick is not None
+        ]
+        return min(ticks, default=math.inf)
 
     def to_json(self) -> dict[str, object]:
         running, waiting, queued = self.load()
@@ -106,6 +137,8 @@ class Replica:
             "id": self.id,
             "url": self.url,
             "kind": self.kind,
+            "role": self.role,
+            "pd_protocol": self.pd_protocol,
             "model": self.model,
             "block_size": self.block_size,
             "capacity_blocks": self.capacity_blocks,
@@ -165,11 +198,21 @@ class ReplicaSet:
 
     # -- the request path's accounting --------------------------------------------------------
 
-    def dispatched(self, replica: Replica, now: float, prefill_tokens: int) -> int:
-        """Record a request placed on `replica`; returns the handle for `started` and `finished`."""
+    def dispatched(
+        self,
+        replica: Replica,
+        now: float,
+        prefill_tokens: int,
+        recorded_tick: int | None = None,
+        kv_blocks: int = 0,
+    ) -> int:
+        """Record a request placed on `replica`, which computes `prefill_tokens` of its prompt and takes
+        `kv_blocks` more KV blocks; returns the handle for `started` and `finished`."""
         handle = next(self._request_ids)
         queued = replica.load()[2]
-        replica.inflight[handle] = InFlight(now, prefill_tokens, queued)
+        replica.inflight[handle] = InFlight(
+            now, prefill_tokens, queued, recorded_tick=recorded_tick, kv_blocks=kv_blocks
+        )
         return handle
 
     def started(self, replica: Replica, handle: int, ttft_s: float, *, alpha: float, min_tokens: int) -> None:

@@ -2,6 +2,8 @@
 
 Pure: the prompt's token ids in, an ordered choice and its explanation out. Hashes are computed once
 per distinct block size among the model's replicas, since a hash chain depends on the block size.
+A model served by prefill and decode replicas is routed in pairs (policies.pd), whatever the policy:
+the order is then of the replicas that answer, each with the prefill replica it is paired with.
 
 The prefill rates the policy weighs are pooled: each replica's is learned from its own TTFTs, which
 also hold network, scheduling and a decode step, so replicas of one speed learn rates tens of
@@ -16,10 +18,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.replicas import Replica
-from policies import Policy, ReplicaView, RouteRequest
+from policies import Policy, PrefillDecode, ReplicaView, RouteRequest
 from radix import RadixIndex, block_hashes
 
 # A learned rate this far from the peers' median marks a replica of another speed.
@@ -37,6 +39,10 @@ class Decision:
     hashes: dict[int, list[int]]
     prompt_tokens: int
     seconds: float
+    # The policy that decided: the configured one, or "pd" for a model served in pairs.
+    policy: str
+    # The prefill replica each choice in `order` is paired with; one absent computes the prompt itself.
+    prefill: dict[str, str] = field(default_factory=dict)
 
     def view_of(self, replica_id: str) -> ReplicaView:
         return next(v for v in self.views if v.id == replica_id)
@@ -49,6 +55,7 @@ class Decision:
             rows.append(
                 {
                     "replica": v.id,
+                    "role": v.role,
                     "healthy": v.healthy,
                     "matched_blocks": v.matched_blocks,
                     "cached_tokens": min(v.cached_tokens, self.prompt_tokens),
@@ -58,6 +65,7 @@ class Decision:
                     "prefill_rate": round(v.prefill_rate, 1),
                     "est_ttft_s": round((v.queued_prefill_tokens + uncached) / v.prefill_rate, 6),
                     "rank": self.order.index(v.id) if v.id in self.order else None,
+                    "prefill_replica": self.prefill.get(v.id),
                 }
             )
         return rows
@@ -69,8 +77,12 @@ def decide(
     replicas: list[Replica],
     tokens: list[int] | None,
     session: str | None = None,
+    pd: PrefillDecode | None = None,
+    transfer: bool = True,
 ) -> Decision:
-    """Route a prompt (None: not tokenized, so no prefix to match) among one model's replicas."""
+    """Route a prompt (None: not tokenized, so no prefix to match) among one model's replicas; in pairs
+    by `pd` when some of them are prefill or decode replicas (`transfer`: whether the request's body
+    can name a prefill replica)."""
     start = time.perf_counter()
     hashes: dict[int, list[int]] = {}
     matched: dict[str, int] = {}
@@ -90,8 +102,15 @@ def decide(
         prefix_key=hashes[first][0] if first is not None and hashes[first] else 0,
         session=session,
     )
-    order = policy.choose(request, views)
-    return Decision(order, views, hashes, len(tokens or ()), time.perf_counter() - start)
+    prefill: dict[str, str] = {}
+    if pd is not None and any(r.role != "mixed" for r in replicas):
+        pairs = pd.choose(request, views, transfer)
+        order, name = [p.decode for p in pairs], pd.name
+        prefill = {p.decode: p.prefill for p in pairs if p.prefill is not None}
+    else:
+        order, name = policy.choose(request, views), policy.name
+    seconds = time.perf_counter() - start
+    return Decision(order, views, hashes, len(tokens or ()), seconds, name, prefill)
 
 
 def routing_rates(replicas: list[Replica]) -> dict[str, float]:

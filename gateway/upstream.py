@@ -39,6 +39,11 @@ class UpstreamError(Exception):
         self.kind = kind
 
 
+def error_kind(error: TimeoutError | UpstreamError) -> str:
+    """How an exchange failed, as metrics label it."""
+    return error.kind if isinstance(error, UpstreamError) else "timeout"
+
+
 @dataclass(frozen=True, slots=True)
 class Origin:
     scheme: str

@@ -1,17 +1,23 @@
 """Pure routing policies (DESIGN §5), each a choice over a read-only view of the replicas."""
 
-from policies.config import ConfigError, PolicyName, RoutingConfig, build_policy, parse_routing
-from policies.view import Policy, ReplicaView, RouteRequest
+from policies.config import ConfigError, PolicyName, RoutingConfig, build_pd, build_policy, parse_routing
+from policies.pd import Pair, PdConfig, PrefillDecode
+from policies.view import Policy, ReplicaView, Role, RouteRequest
 
 POLICY_NAMES: tuple[str, ...] = PolicyName.__args__
 
 __all__ = [
     "POLICY_NAMES",
     "ConfigError",
+    "Pair",
+    "PdConfig",
     "Policy",
+    "PrefillDecode",
     "ReplicaView",
+    "Role",
     "RouteRequest",
     "RoutingConfig",
+    "build_pd",
     "build_policy",
     "parse_routing",
 ]

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from policies.cache_threshold import CacheThreshold, CacheThresholdConfig
 from policies.least_load import LeastLoad, LeastLoadConfig
+from policies.pd import PdConfig, PrefillDecode
 from policies.power_of_two import PowerOfTwo, PowerOfTwoConfig
 from policies.prefix_aware import PrefixAware, PrefixAwareConfig
 from policies.random_choice import RandomChoice, RandomConfig
@@ -27,7 +28,8 @@ PolicyName = Literal[
 
 
 class RoutingConfig(BaseModel):
-    """The `routing:` section: the policy by name, and a knob section per policy (all defaulted)."""
+    """The `routing:` section: the policy by name, and a knob section per policy (all defaulted). `pd`
+    routes the models served by prefill and decode replicas (policies.pd), whatever the policy."""
 
     model_config = ConfigDict(extra="forbid")
     policy: PolicyName = "prefix_aware"
@@ -38,6 +40,7 @@ class RoutingConfig(BaseModel):
     session_affinity: SessionAffinityConfig = SessionAffinityConfig()
     prefix_aware: PrefixAwareConfig = PrefixAwareConfig()
     cache_threshold: CacheThresholdConfig = CacheThresholdConfig()
+    pd: PdConfig = PdConfig()
 
 
 class ConfigError(ValueError):
@@ -74,3 +77,8 @@ def build_policy(config: RoutingConfig) -> Policy:
         "cache_threshold": lambda: CacheThreshold(config.cache_threshold),
     }
     return factories[config.policy]()
+
+
+def build_pd(config: RoutingConfig) -> PrefillDecode:
+    """A fresh pairing policy: prefill replicas ranked by prefix_aware with its configured knobs."""
+    return PrefillDecode(config.pd, PrefixAware(config.prefix_aware))

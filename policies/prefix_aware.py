@@ -23,6 +23,14 @@ saturated replica (its queue at its limit, or more than `max_share` of the fleet
 requests) ranks after every unsaturated one, so a popular prefix spills to other replicas and gets
 cached there too.
 
+Sessions stick where their history is cached, so a fleet balanced request by request can still end
+up with a few replicas holding most sessions (whole tenants follow their system prompt to one
+replica), and its headroom gone where the next burst lands. So a replica sent more than its fair
+share of about the last `balance_window` requests pays, per fair share beyond it, the prefill time of
+`balance_penalty_tokens` more tokens (tokens, like the recompute penalty, so that the trade does not
+depend on how fast the replicas are): enough to place a new session elsewhere at the cost of
+recomputing a system prompt, never enough to move a long conversation off the replica holding it.
+
 Estimates within `tie_tolerance_s` of the best are equal. Equal ones go to the least prefill work
 queued, then the fewest requests, then the emptiest cache (a new prefix evicts least there, and
 caches fill evenly), then by the prompt's first block: distinct prefixes spread over the fleet
@@ -53,6 +61,10 @@ class HotSpotGuardConfig(BaseModel):
     min_outstanding: int = Field(8, ge=1)
 
 
+# Fair shares of excess (see PrefixAware._excess) that cost nothing yet.
+BALANCE_SLACK = 0.25
+
+
 class PrefixAwareConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # precise: the index follows workers' KV events; approximate: it predicts from routing decisions.
@@ -68,6 +80,10 @@ class PrefixAwareConfig(BaseModel):
     min_match_ratio: float = Field(0.25, ge=0.0, le=1.0)
     # Estimates closer than this to the best are a tie, broken by queued work, load, cache fill, prefix.
     tie_tolerance_s: float = Field(0.001, ge=0.0, le=10.0)
+    # Prefill tokens charged per fair share a replica was sent beyond its own, over about the last
+    # `balance_window` requests (see the module's docstring).
+    balance_penalty_tokens: int = Field(16_000, ge=0)
+    balance_window: int = Field(50, ge=1)
     seed: int = 0
 
 
@@ -78,16 +94,42 @@ class PrefixAware:
         self.config = config or PrefixAwareConfig()
         self._rng = random.Random(self.config.seed)
         self._turn = 0
+        # Requests recently sent to each replica (the first choice), decayed per request.
+        self._recent: dict[str, float] = {}
 
     def est_ttft(self, request: RouteRequest, replica: ReplicaView) -> float:
         uncached = max(request.prompt_tokens - replica.cached_tokens, 0)
         prefill = (replica.queued_prefill_tokens + uncached) / replica.prefill_rate
         return prefill + self.config.decode_penalty_s * replica.running
 
-    def score(self, request: RouteRequest, replica: ReplicaView, best_cached: int) -> float:
-        """est_ttft plus the weighted prefill time of the cached tokens this replica would redo."""
+    def score(self, request: RouteRequest, replica: ReplicaView, best_cached: int, excess: float) -> float:
+        """est_ttft plus the weighted prefill time of the cached tokens this replica would redo, plus
+        the balance penalty for the fair shares it was recently sent beyond its own (`excess`)."""
         redo = best_cached - min(replica.cached_tokens, request.prompt_tokens)
-        return self.est_ttft(request, replica) + self.config.recompute_penalty * redo / replica.prefill_rate
+        config = self.config
+        return (
+            self.est_ttft(request, replica)
+            + config.recompute_penalty * redo / replica.prefill_rate
+            + config.balance_penalty_tokens * excess / replica.prefill_rate
+        )
+
+    def _excess(self, candidates: list[ReplicaView]) -> dict[str, float]:
+        """Per replica, the recent requests it was sent beyond a fair share, in units of a full window's
+        fair share, less BALANCE_SLACK of them (0 when under): a handful of requests in a row, before
+        the window has filled, is not yet an imbalance."""
+        recent = [self._recent.get(r.id, 0.0) for r in candidates]
+        fair = sum(recent) / len(candidates)
+        unit = self.config.balance_window / len(candidates)
+        return {
+            r.id: max(0.0, (sent - fair) / unit - BALANCE_SLACK)
+            for r, sent in zip(candidates, recent, strict=True)
+        }
+
+    def _sent(self, replica_id: str) -> None:
+        decay = 1 - 1 / self.config.balance_window
+        for rid in self._recent:
+            self._recent[rid] *= decay
+        self._recent[replica_id] = self._recent.get(replica_id, 0.0) + 1
 
     def saturated(self, replica: ReplicaView, outstanding: int) -> bool:
         guard = self.config.hot_spot_guard
@@ -106,7 +148,11 @@ class PrefixAware:
         if best_cached < self.config.min_match_ratio * request.prompt_tokens:
             candidates = [replace(r, matched_blocks=0) for r in candidates]
             best_cached = 0
-        rows = [(self.saturated(r, outstanding), self.score(request, r, best_cached), r) for r in candidates]
+        excess = self._excess(candidates) if self.config.balance_penalty_tokens else {}
+        rows = [
+            (self.saturated(r, outstanding), self.score(request, r, best_cached, excess.get(r.id, 0.0)), r)
+            for r in candidates
+        ]
         best_saturated, best_cost, _ = min(rows, key=lambda row: (row[0], row[1]))
         tolerance = self.config.tie_tolerance_s
 
@@ -119,6 +165,8 @@ class PrefixAware:
         order = [(saturated, cost, r.id) for saturated, cost, r in sorted(rows, key=rank)]
         if self.config.temperature > 0.0 and len(order) > 1:
             order = self._sample_first(order)
+        if self.config.balance_penalty_tokens:
+            self._sent(order[0][2])
         return [row[2] for row in order]
 
     def _sample_first(self, order: list[tuple[bool, float, str]]) -> list[tuple[bool, float, str]]:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
+
+# What a replica does in a prefill/decode disaggregated fleet (policies.pd), as protocol.disaggregation
+# names the roles on the wire (this pure layer imports no protocol code; a test keeps the two equal).
+Role = Literal["mixed", "prefill", "decode"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +43,15 @@ class ReplicaView:
     # KV blocks the index holds for this replica (all prefixes, not just this request's): how full
     # its cache is believed to be, which cache_threshold reads to place unmatched prompts.
     cached_blocks: int = 0
+    role: Role = "mixed"
+    # KV blocks no sequence holds (cached ones that could be evicted count as free); None: not reported.
+    free_blocks: int | None = None
+    # How a prefill or decode replica moves KV to its pair: replicas pair only within one protocol
+    # (None: prefixgate's own, between bundled workers).
+    pd_protocol: str | None = None
+    # Whether it can compute a prompt itself (an SGLang decode server cannot: it only decodes what a
+    # prefill server sends it).
+    local_prefill: bool = True
 
     @property
     def load(self) -> int:

@@ -10,7 +10,8 @@ sides.
 Extensions beyond OpenAI's fields, as vLLM spells them where it has them: `top_k`, `ignore_eos`, and
 `prefixgate_token_ids` — the prompt's token ids as the gateway computed them (after the chat
 template, for chat). When present they are used as the prompt and nothing is tokenized; the rest of
-the body is still validated as usual.
+the body is still validated as usual. `prefixgate_prefill` — `{"url": ...}`, the prefill worker a
+decode worker pulls the prompt's KV from (prefill/decode disaggregation, workers.disaggregation).
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class GenerationRequest:
     include_usage: bool = False
     # Choices to generate, each a sequence forked from the one prefill of the prompt.
     n: int = 1
+    # The prefill worker to pull the prompt's KV from (a decode worker's request from the gateway).
+    prefill_url: str | None = None
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -260,7 +263,16 @@ def _common(body: Mapping[str, Any], model: ServedModel, max_tokens_names: Seque
         fields["token_ids"] = _token_ids(
             body["prefixgate_token_ids"], "prefixgate_token_ids", model.vocab_size
         )
+    if "prefixgate_prefill" in body:
+        fields["prefill_url"] = _prefill_url(body["prefixgate_prefill"])
     return fields
+
+
+def _prefill_url(value: Any) -> str:
+    url = value.get("url") if isinstance(value, dict) else None
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise _bad("prefixgate_prefill", 'must be {"url": "http://HOST:PORT"} naming a prefill worker')
+    return url
 
 
 def parse_completion(body: Mapping[str, Any], model: ServedModel) -> GenerationRequest:

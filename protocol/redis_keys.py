@@ -4,7 +4,8 @@ the workers that write them and the gateways that read them cannot drift apart.
 - `prefixgate:workers` (set): ids of workers that registered. Members never expire, so a reader must
   check that the worker's hash still exists (a crashed worker leaves its id behind).
 - `prefixgate:worker:{id}` (hash, expires unless refreshed by the worker's heartbeat): the fields in
-  REGISTRY_FIELDS, every value a string (block_size, num_blocks and max_context_len are decimal).
+  REGISTRY_FIELDS, every value a string (block_size, num_blocks and max_context_len are decimal);
+  `role` (protocol.disaggregation) may be absent, from a worker older than roles: it is then mixed.
   `incarnation` changes at every worker start: a reader holding another one must resync.
 - `prefixgate:kv:{id}` (stream, trimmed to about the configured length): one entry per KV event batch,
   fields `incarnation`, `seq` (decimal) and `events` (the batch's events as a JSON list, the wire
@@ -37,6 +38,7 @@ REGISTRY_FIELDS = (
     "num_blocks",
     "max_context_len",
     "backend",
+    "role",
     "incarnation",
 )
 LOAD_FIELDS = ("running", "waiting", "queued_prefill_tokens", "kv_blocks_used", "kv_blocks_total", "ts")

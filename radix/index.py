@@ -45,6 +45,9 @@ class Predicted:
     # For each block after the held ones that the capacity bound had dropped, in order: how many
     # blocks it has dropped since (1 for the latest).
     ghosted: tuple[int, ...]
+    # Blocks last used at or after this tick were recorded by requests the replica may not have
+    # computed yet (still waiting for their first token): lacking one of those is no eviction.
+    horizon: float = math.inf
 
     @property
     def blocks(self) -> int:
@@ -238,8 +241,13 @@ class RadixIndex:
             alive ^= low
         return result
 
-    def predicted(self, replica: str, hashes: Sequence[int]) -> Predicted:
-        """What `correct` will check a learning replica's report on this request against."""
+    def tick_now(self, replica: str) -> int:
+        """A learning replica's use counter: blocks recorded from now on are last used at or after it."""
+        return self._state(replica).tick
+
+    def predicted(self, replica: str, hashes: Sequence[int], horizon: float = math.inf) -> Predicted:
+        """What `correct` will check a learning replica's report on this request against (`horizon`:
+        see Predicted)."""
         state = self._state(replica)
         ticks, ghosts = state.ticks, state.ghosts
         if ticks is None or ghosts is None:
@@ -256,7 +264,7 @@ class RadixIndex:
             if when is None:
                 break
             ghosted.append(state.dropped - when + 1)
-        return Predicted(tuple(held), tuple(ghosted))
+        return Predicted(tuple(held), tuple(ghosted), horizon)
 
     def set_capacity(self, replica: str, capacity_blocks: int) -> None:
         """A capacity learned elsewhere (another gateway's `correct`): the bound, enforced now."""
@@ -284,6 +292,8 @@ class RadixIndex:
             raise ValueError(f"replica {replica!r} does not learn its capacity")
         if realised < predicted.blocks:
             lacked = predicted.ticks[realised]
+            if lacked >= predicted.horizon:  # recorded by a request still on its way: not evidence
+                return
             blocks = state.blocks
             while blocks and ticks[next(iter(blocks))] <= lacked:
                 self._evict_oldest(replica, state, ghost=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +13,22 @@ import pytest
 from bench.local_fleet import free_port, start_redis
 
 __all__ = ["free_port", "start_redis_server"]
+
+
+def interpret_triton_without_a_gpu() -> None:
+    """Triton chooses between its interpreter and its compiler when triton.language is first imported,
+    and importing transformers' model classes imports it (torch registers Triton ops), so the session's
+    choice is made here, before any test module loads: without a CUDA device, the Triton attention
+    kernels run in the interpreter (tests/workers/engine/test_attention_triton.py)."""
+    if importlib.util.find_spec("torch") is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+interpret_triton_without_a_gpu()
 
 
 def start_redis_server(port: int, workdir: Path) -> subprocess.Popen[bytes]:

@@ -17,6 +17,9 @@ import re
 import socket
 from typing import TYPE_CHECKING
 
+from protocol.disaggregation import ROLES
+from workers.disaggregation import DEFAULT_ROOM_WAIT_S, DEFAULT_TRANSFER_TIMEOUT_S
+
 if TYPE_CHECKING:
     from workers.engine.engine import Engine, EngineConfig
     from workers.kv_events import KVEventLog
@@ -27,6 +30,8 @@ DEFAULT_PORT = 8101
 DEFAULT_BLOCK_SIZE = 16
 # Bind-all addresses: a worker bound to one of these must advertise a name others can reach.
 _ANY_HOST = ("", "0.0.0.0", "::")
+SIM_BACKEND = "sim"
+SIM_BACKEND_REASON = "--sim: a cost model stands in for the model, there is no attention to run"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -98,10 +103,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body", type=parse_bytes, default=8 * 2**20, help="largest request body (8M)")
     parser.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences in the running batch")
     parser.add_argument("--max-batched-tokens", type=_positive, default=2048, help="token budget per step")
-    parser.add_argument("--backend", choices=("auto", "torch_sdpa", "flash_attn"), default="auto")
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "torch_sdpa", "flash_attn", "triton"),
+        default="auto",
+        help="attention: auto picks flash-attn, else Triton on CUDA, else SDPA (the log and /health say why)",
+    )
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
     parser.add_argument("--log-level", default="INFO")
+    pd = parser.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument(
+        "--role",
+        choices=ROLES,
+        default="mixed",
+        help="what the gateway sends here: whole requests (mixed), prompts to compute and push to a "
+        "decode worker (prefill), or requests whose prompt KV is pulled from a prefill worker (decode)",
+    )
+    pd.add_argument(
+        "--kv-transfer-port",
+        type=int,
+        default=0,
+        help="TCP port prefill workers push KV to (decode role; default: any free port)",
+    )
+    pd.add_argument(
+        "--kv-transfer-timeout",
+        type=_seconds,
+        default=DEFAULT_TRANSFER_TIMEOUT_S,
+        help="seconds a pull from a prefill worker may take before the prompt is computed here",
+    )
+    pd.add_argument(
+        "--kv-room-wait",
+        type=_seconds,
+        default=DEFAULT_ROOM_WAIT_S,
+        help="seconds a decode worker waits for KV room to receive a prompt into before computing it here",
+    )
     sim = parser.add_argument_group("simulated engine")
     sim.add_argument(
         "--sim", action="store_true", help="serve a cost model instead of a model (prompts as token ids)"
@@ -180,15 +216,16 @@ def sim_engine(args: argparse.Namespace, events: KVEventLog) -> SimEngine:
     return SimEngine(profile, **events.callbacks())
 
 
-def build_engine(args: argparse.Namespace, events: KVEventLog) -> tuple[Engine | SimEngine, str]:
-    """The engine the flags describe, wired to `events`, and its backend's name for /health."""
+def build_engine(args: argparse.Namespace, events: KVEventLog) -> tuple[Engine | SimEngine, str, str]:
+    """The engine the flags describe, wired to `events`, and its attention backend's name and why it
+    is the one, for the log and /health."""
     if args.sim:
-        return sim_engine(args, events), "sim"
+        return sim_engine(args, events), SIM_BACKEND, SIM_BACKEND_REASON
     from workers.engine.engine import Engine
     from workers.engine.llm import load
 
     engine = Engine(load(args.model, device=_device(args.device)), engine_config(args), **events.callbacks())
-    return engine, engine.runner.attention.name
+    return engine, engine.runner.attention.name, engine.runner.attention_reason
 
 
 def build_worker(args: argparse.Namespace) -> Worker:
@@ -197,22 +234,33 @@ def build_worker(args: argparse.Namespace) -> Worker:
 
     # vLLM's events carry each stored block's tokens, which the log keeps only for that publisher.
     events = KVEventLog(keep_tokens=args.kv_events_zmq is not None)
-    engine, backend = build_engine(args, events)
+    engine, backend, reason = build_engine(args, events)
     worker_id = args.worker_id or f"{socket.gethostname()}:{args.port}"
     return Worker.around(
         engine,
         events,
         worker_id=worker_id,
         backend=backend,
+        backend_reason=reason,
+        role=args.role,
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body,
+        transfer_port=args.kv_transfer_port,
+        transfer_host=_reachable_host(args),
+        transfer_timeout_s=args.kv_transfer_timeout,
+        room_wait_s=args.kv_room_wait,
     )
+
+
+def _reachable_host(args: argparse.Namespace) -> str:
+    """The host others reach this worker at: the one it listens on, or its name when that is any."""
+    return socket.gethostname() if args.host in _ANY_HOST else args.host
 
 
 def advertise_url(args: argparse.Namespace) -> str:
     if args.advertise_url:
         return args.advertise_url.rstrip("/")
-    host = socket.gethostname() if args.host in _ANY_HOST else args.host
+    host = _reachable_host(args)
     return f"http://[{host}]:{args.port}" if ":" in host else f"http://{host}:{args.port}"
 
 

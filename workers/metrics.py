@@ -69,6 +69,22 @@ class WorkerMetrics:
         self.cached_blocks = gauge(
             "prefixgate_worker_kv_cached_blocks", "Blocks registered in the prefix cache"
         )
+        # Prefill/decode disaggregation: KV pulled in (decode side) and pushed out (prefill side).
+        self.transferred_tokens = counter(
+            "prefixgate_worker_kv_transfer_tokens", "Prompt tokens whose KV arrived from a prefill worker"
+        )
+        self.transfer_received_bytes = counter(
+            "prefixgate_worker_kv_transfer_received_bytes", "KV bytes received from prefill workers"
+        )
+        self.transfer_sent_bytes = counter(
+            "prefixgate_worker_kv_transfer_sent_bytes", "KV bytes pushed to decode workers"
+        )
+        self.transfer_seconds = histogram(
+            "prefixgate_worker_kv_pull_seconds", "From asking a prefill worker to having its KV"
+        )
+        self.transfer_failures = counter(
+            "prefixgate_worker_kv_pull_failures", "Pulls given up: the prompt was computed here instead"
+        )
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -83,6 +99,18 @@ class WorkerMetrics:
         self.prompt_tokens.labels(self.model).inc(prompt_tokens)
         self.generation_tokens.labels(self.model).inc(completion_tokens)
         self.cache_hit_tokens.labels(self.model).inc(cached_tokens)
+
+    def observe_pull(self, tokens: int, num_bytes: int, seconds: float, *, failed: bool) -> None:
+        if failed:
+            self.transfer_failures.labels(self.model).inc()
+            return
+        self.transferred_tokens.labels(self.model).inc(tokens)
+        self.transfer_received_bytes.labels(self.model).inc(num_bytes)
+        if tokens:
+            self.transfer_seconds.labels(self.model).observe(seconds)
+
+    def observe_push(self, num_bytes: int) -> None:
+        self.transfer_sent_bytes.labels(self.model).inc(num_bytes)
 
     def set_load(self, stats: SchedulerStats, cached_blocks: int) -> None:
         values = {"running": stats.running, "waiting": stats.waiting, "kv_usage": stats.kv_usage}

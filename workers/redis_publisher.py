@@ -126,6 +126,7 @@ class RedisPublisher:
             "num_blocks": info.num_blocks,
             "max_context_len": info.max_context_len,
             "backend": info.backend,
+            "role": info.role,
             "incarnation": self.runtime.worker.events.incarnation,
         }
 

@@ -20,11 +20,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+import aiohttp
 import orjson
 from aiohttp import web
 
+from protocol.disaggregation import Role
 from protocol.errors import CLIENT_GONE, RETRY_AFTER_S, ApiError, error_json
 from protocol.kv_events import EventBatch
 from protocol.openai_api import GenerationRequest, ServedModel, parse_chat, parse_completion, parse_json
@@ -40,11 +42,20 @@ from protocol.openai_responses import (
 from protocol.prompts import prompt_token_ids
 from protocol.serving import METRICS_CONTENT_TYPE
 from protocol.tokenizer import Tokenizer
+from workers.disaggregation import (
+    DEFAULT_ROOM_WAIT_S,
+    DEFAULT_TRANSFER_TIMEOUT_S,
+    PrefillOrder,
+    Pulled,
+    Puller,
+    prefill_and_push,
+)
 from workers.engine.engine import Engine, PromptTooLong, RequestOutput
 from workers.engine.llm import AsyncLLM
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import SchedulerStats, UnschedulableSequence
 from workers.kv_events import EventsGone, KVEventLog
+from workers.kv_transfer import KVStore, NoKV, TransferServer
 from workers.metrics import WorkerMetrics
 from workers.openai_sampling import sampling_params
 
@@ -57,14 +68,23 @@ DEFAULT_MAX_WAITING = 256
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 MAX_EVENTS_TIMEOUT_S = 60.0
 DEFAULT_EVENTS_LIMIT = 1024
+T = TypeVar("T")
 
 
 class EngineFront(Protocol):
-    """What the server needs from an engine: AsyncLLM, or anything shaped like it (the --sim engine)."""
+    """What the server needs from an engine: AsyncLLM, or anything shaped like it."""
 
     def generate(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, n: int = 1
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        n: int = 1,
+        prelude: Callable[[Engine], None] | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
+
+    async def call(self, fn: Callable[[Engine], T], undo: Callable[[Engine, T], None] | None = None) -> T: ...
+
+    def post(self, fn: Callable[[Engine], object]) -> None: ...
 
     async def stats(self) -> SchedulerStats: ...
 
@@ -82,6 +102,9 @@ class WorkerInfo:
     max_context_len: int
     vocab_size: int
     backend: str
+    # Why that backend (the log and /health say it: "auto chose torch_sdpa: flash_attn cannot run ...").
+    backend_reason: str = ""
+    role: Role = "mixed"
 
     @property
     def served_model(self) -> ServedModel:
@@ -98,12 +121,29 @@ class Worker:
     info: WorkerInfo
     events: KVEventLog
     # Requests accepted but not yet generating; one more is refused with 429.
+    # Where the engine's KV blocks are read and written as bytes, to move them between workers.
+    store: KVStore = field(default_factory=NoKV)
     max_waiting: int = DEFAULT_MAX_WAITING
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # The decode side of disaggregation: the TCP port prefill workers push KV to (0: any free one),
+    # the host they reach it at, and how long a pull may take before the prompt is computed here.
+    transfer_port: int = 0
+    transfer_host: str = "127.0.0.1"
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    # How long a pull waits for KV room before the prompt is computed here after all.
+    room_wait_s: float = DEFAULT_ROOM_WAIT_S
 
     @classmethod
     def around(
-        cls, engine: Engine | SimEngine, events: KVEventLog, *, worker_id: str, backend: str, **limits: int
+        cls,
+        engine: Engine | SimEngine,
+        events: KVEventLog,
+        *,
+        worker_id: str,
+        backend: str,
+        backend_reason: str = "",
+        role: Role = "mixed",
+        **options: Any,
     ) -> Worker:
         """A worker over an engine built with `events.callbacks()`, run by an AsyncLLM thread."""
         bm = engine.block_manager
@@ -117,8 +157,12 @@ class Worker:
             max_context_len=engine.max_context_len,
             vocab_size=vocab_size,
             backend=backend,
+            backend_reason=backend_reason,
+            role=role,
         )
-        return cls(AsyncLLM(engine), engine.tokenizer, info, events, **limits)
+        # The simulated engine has no KV tensors: its transfers move hashes only.
+        store = engine.runner if isinstance(engine.runner, KVStore) else NoKV()
+        return cls(AsyncLLM(engine), engine.tokenizer, info, events, store, **options)
 
 
 class EventFeed:
@@ -229,6 +273,8 @@ class Runtime:
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
     )
+    # The decode side of disaggregation, live while the app runs (None but on a decode worker).
+    puller: Puller | None = None
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
@@ -287,13 +333,40 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             loop = asyncio.get_running_loop()
             ids = await loop.run_in_executor(rt.tokenize_pool, prompt_token_ids, gen, worker.tokenizer)
         sampling = sampling_params(gen, len(ids), served, worker.info.block_size)
-        async with aclosing(worker.front.generate(ids, sampling, gen.n)) as outs:
-            first = await _first_output(outs)
-            release()
-            rt.metrics.observe_ttft(time.monotonic() - arrival)
-            if gen.stream:
-                return await _stream(request, rt, gen, shaper, outs, first, arrival)
-            return await _collect(rt, gen, shaper, outs, first, arrival)
+        pulled = await _pull(rt, ids, gen.prefill_url)
+        prelude = pulled.prelude() if pulled is not None else None
+        headers = pulled.headers() if pulled is not None else {}
+        try:
+            async with aclosing(worker.front.generate(ids, sampling, gen.n, prelude)) as outs:
+                first = await _first_output(outs)
+                release()
+                rt.metrics.observe_ttft(time.monotonic() - arrival)
+                if gen.stream:
+                    return await _stream(request, rt, gen, shaper, outs, first, arrival, headers)
+                return await _collect(rt, gen, shaper, outs, first, arrival, headers)
+        finally:
+            # A request that never joined the batch (its client left first) never installed what
+            # it pulled: let it go. After the install this changes nothing.
+            if pulled is not None and pulled.reservation is not None:
+                reservation = pulled.reservation
+                worker.front.post(lambda engine: engine.block_manager.release(reservation))
+
+
+async def _pull(rt: Runtime, ids: list[int], prefill_url: str | None) -> Pulled | None:
+    """The prompt's KV from the prefill worker the gateway named, if it named one."""
+    if prefill_url is None:
+        return None
+    if rt.puller is None:
+        raise ApiError(
+            400,
+            f"this is a {rt.worker.info.role} worker: only a decode worker pulls KV (prefixgate_prefill)",
+            param="prefixgate_prefill",
+        )
+    pulled = await rt.puller.pull(ids, prefill_url)
+    rt.metrics.observe_pull(pulled.tokens, pulled.bytes, pulled.seconds, failed=pulled.error is not None)
+    if pulled.error is not None:
+        log.warning("computing the prompt here: %s", pulled.error)
+    return pulled
 
 
 @dataclass(slots=True)
@@ -328,6 +401,7 @@ async def _collect(
     outs: AsyncIterator[RequestOutput],
     out: RequestOutput,
     arrival: float,
+    headers: dict[str, str],
 ) -> web.Response:
     usage = _Usage(gen.n)
     texts: list[list[str]] = [[] for _ in range(gen.n)]
@@ -350,7 +424,8 @@ async def _collect(
         for text, reason, lps in zip(texts, reasons, logprobs, strict=True)
     ]
     return web.json_response(
-        shaper.response(choices, usage.json()), headers={CACHED_TOKENS_HEADER: str(usage.cached_tokens)}
+        shaper.response(choices, usage.json()),
+        headers={**headers, CACHED_TOKENS_HEADER: str(usage.cached_tokens)},
     )
 
 
@@ -362,11 +437,13 @@ async def _stream(
     outs: AsyncIterator[RequestOutput],
     out: RequestOutput,
     arrival: float,
+    headers: dict[str, str],
 ) -> web.StreamResponse:
     """Server-sent events, headers sent once the first token exists (so refusals are still 4xx).
     Each choice's deltas carry its index; the usage chunk and [DONE] come once, after the last."""
     response = web.StreamResponse(
         headers={
+            **headers,
             "Content-Type": "text/event-stream",
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",
@@ -440,6 +517,8 @@ async def health(request: web.Request) -> web.Response:
             "num_blocks": info.num_blocks,
             "max_context_len": info.max_context_len,
             "backend": info.backend,
+            "backend_reason": info.backend_reason,
+            "role": info.role,
             "max_waiting": rt.admission.limit,
             "uptime_s": round(time.time() - rt.started, 3),
         }
@@ -576,16 +655,62 @@ async def _errors_and_metrics(
     return response
 
 
+async def kv_prefill(request: web.Request) -> web.Response:
+    """The prefill side of disaggregation: compute a prompt and push its KV blocks to the decode
+    worker that asked (workers.disaggregation)."""
+    rt = request.app[RUNTIME]
+    worker = rt.worker
+    order = PrefillOrder.parse(parse_json(await request.read()), worker.info.vocab_size)
+    with rt.admission.slot():
+        try:
+            report = await prefill_and_push(worker.front, worker.store, worker.info.block_size, order)
+        except (PromptTooLong, UnschedulableSequence) as error:
+            raise ApiError(400, str(error), param="token_ids", code="request_too_large") from None
+    rt.metrics.observe_push(report["bytes"])
+    return web.json_response(report)
+
+
+async def _transfers(app: web.Application) -> AsyncIterator[None]:
+    """A decode worker's transfer port and its HTTP client to prefill workers. Only a decode worker's:
+    the gateway pairs no other, and a listening port nobody uses is one more to collide with."""
+    rt = app[RUNTIME]
+    worker = rt.worker
+    if worker.info.role != "decode":
+        yield
+        return
+    server = TransferServer(worker.store, worker.transfer_host, worker.transfer_port)
+    await server.start()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        rt.puller = Puller(
+            worker.front,
+            server,
+            session,
+            worker.info.block_size,
+            worker.transfer_host,
+            worker.transfer_timeout_s,
+            worker.room_wait_s,
+        )
+        log.info("receiving KV transfers on %s:%d", worker.transfer_host, server.port)
+        try:
+            yield
+        finally:
+            rt.puller = None
+            await server.close()
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     rt = app[RUNTIME]
     rt.feed.start()
+    info = rt.worker.info
     log.info(
-        "worker %s serving %s (block size %d, %d blocks, %s), incarnation %s",
-        rt.worker.info.worker_id,
-        rt.worker.info.model,
-        rt.worker.info.block_size,
-        rt.worker.info.num_blocks,
-        rt.worker.info.backend,
+        "worker %s serving %s as %s (block size %d, %d blocks, %s: %s), incarnation %s",
+        info.worker_id,
+        info.model,
+        info.role,
+        info.block_size,
+        info.num_blocks,
+        info.backend,
+        info.backend_reason,
         rt.worker.events.incarnation,
     )
     yield
@@ -617,7 +742,9 @@ def create_app(worker: Worker, *, contexts: Sequence[Context] = ()) -> web.Appli
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/kv/snapshot", kv_snapshot)
     app.router.add_get("/kv/events", kv_events)
+    app.router.add_post("/kv/prefill", kv_prefill)
     app.cleanup_ctx.append(_lifecycle)
+    app.cleanup_ctx.append(_transfers)
     app.cleanup_ctx.extend(contexts)
     app.on_shutdown.append(_release_pollers)
     return app

@@ -1,5 +1,5 @@
 """`bench cuda-check` refuses without CUDA, and its whole check runs (on the CPU, with a tiny model's
-shape) with the engine's greedy tokens equal to HF's."""
+shape) with the engine's greedy tokens equal to HF's and a decode step timed per batch size."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def test_the_whole_check_runs_and_matches_hf(tmp_path: Path) -> None:
     out = tmp_path / "cuda_check.json"
     argv = ["bench", "cuda-check", "--device", "cpu", "--shape-from", str(shape), "--requests", "6"]
     argv += ["--prompt", "24", "--output", "5", "--hf-batch", "3", "--prefix-prompt", "256"]
-    argv += ["--prefix-cached", "240", "--json", str(out)]
+    argv += ["--prefix-cached", "240", "--decode-batches", "1,3", "--decode-context", "20"]
+    argv += ["--decode-steps", "2", "--json", str(out)]
     assert main(argv) == 0
     payload = json.loads(out.read_text())
     assert payload["backend"] == "torch_sdpa"
@@ -46,4 +47,10 @@ def test_the_whole_check_runs_and_matches_hf(tmp_path: Path) -> None:
     assert speed["engine_steps"] >= speed["output"]  # one step per output token at least
     prefix = payload["prefix_ttft_bf16"]
     assert prefix["cached_tokens"] == 240 and 0 < prefix["cached_s"] < prefix["cold_s"]
+    decode = payload["decode_step_ms_bf16"]
+    assert decode["context"] == 20
+    # Only SDPA runs natively on the CPU; each batch size has its time.
+    assert list(decode["backends"]) == ["torch_sdpa"]
+    assert set(decode["backends"]["torch_sdpa"]) == {"1", "3"}
+    assert all(ms > 0 for ms in decode["backends"]["torch_sdpa"].values())
     assert out.with_suffix(".png").stat().st_size > 0

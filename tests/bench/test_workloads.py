@@ -17,10 +17,12 @@ from bench.workloads import (
     TOKEN_LOW,
     AgentParams,
     GroupedParams,
+    LongMixParams,
     Session,
     Turn,
     agent_sessions,
     grouped_sessions,
+    longmix_sessions,
     nominal_order,
     scaled,
     total_turns,
@@ -139,3 +141,44 @@ def test_trace_sessions_expand_their_prompts_only_when_read(tmp_path: Path) -> N
         assert list(turn.prompt) == prompt_tokens(r, 32000)
         assert turn.prompt[:3] == prompt_tokens(r, 32000)[:3] and turn.max_tokens == r.output_length
         assert s.key == str(r.hash_ids[1])
+
+
+def test_longmix_is_long_prompts_and_answers_at_poisson_times_some_sharing_a_document() -> None:
+    params = LongMixParams(requests=300)
+    sessions = longmix_sessions(params)
+    assert sessions == longmix_sessions(LongMixParams(requests=300))
+    assert sessions != longmix_sessions(replace(params, seed=1))
+    assert len(sessions) == 300 and all(len(s.turns) == 1 for s in sessions)
+    turns = [s.turns[0] for s in sessions]
+    assert all(params.min_prompt_tokens <= len(t.prompt) <= params.max_prompt_tokens for t in turns)
+    assert all(params.min_output_tokens <= t.max_tokens <= params.max_output_tokens for t in turns)
+    assert all(min(t.prompt) >= TOKEN_LOW and max(t.prompt) < TOKEN_HIGH for t in turns)
+    starts = [s.start_s for s in sessions]
+    assert starts == sorted(starts)
+    assert statistics.mean(b - a for a, b in itertools.pairwise(starts)) == pytest.approx(
+        1 / params.rate, rel=0.2
+    )
+    heads = [tuple(t.prompt[: params.document_tokens]) for t in turns]
+    shared = [h for h in heads if heads.count(h) > 1]
+    assert len(set(shared)) == params.documents
+    assert len(shared) / len(heads) == pytest.approx(params.shared_share, abs=0.1)
+    # Past the document, every prompt is its own.
+    tails = {tuple(t.prompt[params.document_tokens : params.document_tokens + 64]) for t in turns}
+    assert len(tails) == len(turns)
+
+
+def test_longmix_keeps_its_requests_as_more_are_asked_for() -> None:
+    fewer = longmix_sessions(LongMixParams(requests=20))
+    assert longmix_sessions(LongMixParams(requests=40))[:20] == fewer
+
+
+def test_longmix_parameters_are_checked() -> None:
+    for bad in (
+        {"requests": 0},
+        {"max_prompt_tokens": 100},
+        {"document_tokens": 4096},
+        {"shared_share": 1.5},
+        {"rate": 0.0},
+    ):
+        with pytest.raises(ValueError):
+            LongMixParams(**bad)

@@ -16,6 +16,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 def test_the_example_config_parses() -> None:
     config = load_config(CONFIGS / "gateway.example.yaml")
     assert config.routing.policy == "prefix_aware"
+    assert config.routing.pd.min_transfer_tokens == 256 and config.routing.pd.decode_penalty_s == 0.01
     assert [r.url for r in config.replicas] == ["http://127.0.0.1:8101", "http://127.0.0.1:8102"]
     assert config.redis is not None and config.redis.url.startswith("redis://")
 
@@ -38,6 +39,27 @@ def test_secrets_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
         ({"routing": {"policy": "fastest"}}, "gateway.routing.policy"),
         ({"limits": {"max_attempts": 0}}, "gateway.limits.max_attempts"),
         ({"rediss": {"url": "redis://x"}}, "gateway.rediss: unknown key"),
+        ({"replicas": [{"url": "http://x", "role": "prefil"}]}, "gateway.replicas.0.role"),
+        ({"replicas": [{"url": "http://x", "role": "decode", "kind": "openai"}]}, "needs pd_protocol"),
+        ({"replicas": [{"url": "http://x", "pd_protocol": "vllm"}]}, "pd_protocol needs role"),
+        (
+            {"replicas": [{"url": "http://x", "role": "decode", "kind": "bundled", "pd_protocol": "vllm"}]},
+            "pd_protocol is for foreign replicas",
+        ),
+        (
+            {
+                "replicas": [
+                    {"url": "http://x", "role": "decode", "pd_protocol": "sglang", "bootstrap_port": 1}
+                ]
+            },
+            "bootstrap_port is an SGLang prefill",
+        ),
+        (
+            {"replicas": [{"url": "http://x", "pd_protocol": "nixl", "role": "decode"}]},
+            "replicas.0.pd_protocol",
+        ),
+        ({"routing": {"pd": {"min_transfer_tokens": -1}}}, "gateway.routing.pd.min_transfer_tokens"),
+        ({"routing": {"pd": {"decode_penalty": 0.1}}}, "gateway.routing.pd.decode_penalty: unknown key"),
     ],
 )
 def test_mistakes_name_their_key(data: dict, message: str) -> None:
@@ -54,3 +76,28 @@ def test_unreadable_or_non_mapping_files(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("a: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(tmp_path / "bad.yaml")
+
+
+def test_a_foreign_prefill_decode_fleet_parses() -> None:
+    config = parse_config(
+        {
+            "replicas": [
+                {"url": "http://p", "kind": "openai", "role": "prefill", "pd_protocol": "sglang"},
+                {
+                    "url": "http://q",
+                    "kind": "openai",
+                    "role": "prefill",
+                    "pd_protocol": "sglang",
+                    "bootstrap_port": 9,
+                },
+                {"url": "http://d", "kind": "openai", "role": "decode", "pd_protocol": "vllm"},
+                {"url": "http://w", "role": "decode"},  # kind auto: a bundled worker is expected
+            ]
+        }
+    )
+    assert [(r.role, r.pd_protocol, r.bootstrap_port) for r in config.replicas] == [
+        ("prefill", "sglang", 8998),
+        ("prefill", "sglang", 9),
+        ("decode", "vllm", 8998),
+        ("decode", None, 8998),
+    ]

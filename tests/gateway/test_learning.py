@@ -46,7 +46,8 @@ def test_a_capacity_too_big_or_absent_is_learned_from_what_the_replica_reuses(
     # 40 prompts of 8 blocks: 320 blocks, 2.5 times what the replica holds.
     for i in range(40):
         send(gateway, prefix(i))
-    assert list(learned(gateway).values()) == [prior], "nothing contradicted the prior yet"
+    # Nothing contradicted the prior yet: the bound is where it starts, the prior taken 4 times over.
+    assert list(learned(gateway).values()) == [4 * prior if prior else None]
     # Prompts come back in random order: each one predicted cached but gone is a surprise that evicts
     # it, and everything used before it, and bounds the capacity.
     rng = random.Random(0)
@@ -65,9 +66,9 @@ def test_a_capacity_too_small_grows_from_reuses_the_bound_had_dropped(
     start_gateway: Callable[..., RunningGateway],
 ) -> None:
     worker = start_sim_worker("w0", "--num-blocks", str(4 * POOL_BLOCKS))
-    entry = {"url": worker.url, "kind": "openai", "block_size": BLOCK, "capacity_blocks": 64}
+    entry = {"url": worker.url, "kind": "openai", "block_size": BLOCK, "capacity_blocks": 16}
     gateway = start_gateway([], wait_for=1, replicas=[entry])
-    # 240 blocks: the replica holds them all, the bound of 64 only the last 8 prompts.
+    # 240 blocks: the replica holds them all, the bound (16, taken 4 times over) only the last 8 prompts.
     for i in range(30):
         send(gateway, prefix(i))
     # The first reuse of a prompt the bound had dropped says the replica holds all 30.

@@ -7,7 +7,7 @@ import pytest
 
 from gateway.replicas import LoadReport, Replica, ReplicaSet
 from gateway.router import decide, routing_rates
-from policies import RoutingConfig, build_policy
+from policies import RoutingConfig, build_pd, build_policy
 from radix import RadixIndex, block_hashes
 
 MODEL = "m"
@@ -113,3 +113,45 @@ def test_replicas_of_one_speed_route_by_their_pooled_rate_and_a_distinct_one_by_
     # Nothing learned anywhere: every replica keeps what it has.
     fresh = [replica("x"), replica("y")]
     assert routing_rates(fresh) == {"x": fresh[0].prefill_rate, "y": fresh[1].prefill_rate}
+
+
+def test_free_blocks_are_the_report_less_what_was_placed_after_it() -> None:
+    replicas = ReplicaSet()
+    r = replica("a")
+    replicas.add(r)
+    assert r.free_blocks() is None and r.view(0, 0, 1.0).free_blocks is None  # nothing reported
+    early = replicas.dispatched(r, now=1.0, prefill_tokens=0, kv_blocks=5)
+    r.report = LoadReport(kv_blocks_used=30, kv_blocks_total=100, at=2.0)
+    late = replicas.dispatched(r, now=3.0, prefill_tokens=0, kv_blocks=10)
+    assert r.free_blocks() == 60, "the early request is in the report already"
+    replicas.finished(r, late)
+    replicas.finished(r, early)
+    assert r.view(0, 0, 1.0).free_blocks == 70
+
+
+def test_a_view_says_what_part_a_replica_plays_in_a_pair() -> None:
+    view = replica("p", role="prefill").view(0, 0, 1.0)
+    assert (view.role, view.pd_protocol, view.local_prefill) == ("prefill", None, True)
+    sglang = replica("d", kind="openai", role="decode", pd_protocol="sglang").view(0, 0, 1.0)
+    assert (sglang.role, sglang.pd_protocol, sglang.local_prefill) == ("decode", "sglang", False)
+    assert replica("v", kind="openai", role="decode", pd_protocol="vllm").view(0, 0, 1.0).local_prefill
+
+
+def test_decide_pairs_only_models_served_by_prefill_and_decode_replicas() -> None:
+    tokens = list(range(100, 500))
+    index = RadixIndex()
+    mixed = [replica("a"), replica("b")]
+    pd_fleet = [replica("p", role="prefill"), replica("d", role="decode")]
+    for r in mixed + pd_fleet:
+        index.add_replica(r.id)
+    index.insert("p", block_hashes(tokens, 4, MODEL)[:50])
+    policy, pd = build_policy(RoutingConfig()), build_pd(RoutingConfig())
+    plain = decide(policy, index, mixed, tokens, pd=pd)
+    assert plain.policy == "prefix_aware" and plain.prefill == {} and len(plain.order) == 2
+    paired = decide(policy, index, pd_fleet, tokens, pd=pd)
+    assert (paired.policy, paired.order, paired.prefill) == ("pd", ["d"], {"d": "p"})
+    rows = {row["replica"]: row for row in paired.explain()}
+    assert rows["p"]["role"] == "prefill" and rows["p"]["rank"] is None and rows["p"]["cached_tokens"] == 200
+    assert rows["d"]["prefill_replica"] == "p" and rows["d"]["rank"] == 0
+    # A route whose body cannot name a prefill replica: the decode replica computes the prompt.
+    assert decide(policy, index, pd_fleet, tokens, pd=pd, transfer=False).prefill == {}

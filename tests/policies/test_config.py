@@ -49,6 +49,8 @@ def test_unknown_policy_lists_the_allowed_names() -> None:
         ({"prefix_aware": {"mode": "psychic"}}, "routing.prefix_aware.mode"),
         ({"session_affinity": {"virtual_nodes": 0}}, "routing.session_affinity.virtual_nodes"),
         ({"random": {"seed": "abc"}}, "routing.random.seed"),
+        ({"pd": {"decode_penalty_s": 11}}, "routing.pd.decode_penalty_s"),
+        ({"pd": {"min_transfer_tokens": "many"}}, "routing.pd.min_transfer_tokens"),
     ],
 )
 def test_out_of_range_knob_names_the_key(section: dict, key: str) -> None:

@@ -281,3 +281,15 @@ def test_learning_needs_a_learning_replica() -> None:
     index.insert("exact", [1, 2])
     with pytest.raises(ValueError, match="does not learn"):
         index.predicted("exact", [1])
+
+
+def test_lacking_a_block_a_request_on_its_way_recorded_is_no_eviction() -> None:
+    index, chains = predicted_fleet(capacity=None, prefixes=10, blocks=4)
+    on_its_way = index.tick_now("r")
+    index.insert("r", [77, 78, 79], expires_at=LEASE)  # routed, not yet computed by the replica
+    asked = [77, 78, 79, 80]
+    index.correct("r", index.predicted("r", asked, horizon=on_its_way), realised=0)
+    assert index.capacity_of("r") is None and index.blocks_of("r") == 43
+    # Once that request has its first token the blocks are the replica's: lacking them is evidence.
+    index.correct("r", index.predicted("r", asked), realised=0)
+    assert index.capacity_of("r") == 64 and not index.holds("r", chains[0][0])

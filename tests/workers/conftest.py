@@ -124,7 +124,14 @@ def start_worker(
 ) -> tuple[RunningWorker, ServerThread]:
     events = KVEventLog(capacity=event_capacity)
     engine = Engine(loaded, config, **events.callbacks())
-    worker = Worker.around(engine, events, worker_id="test", backend=engine.runner.attention.name, **limits)
+    worker = Worker.around(
+        engine,
+        events,
+        worker_id="test",
+        backend=engine.runner.attention.name,
+        backend_reason=engine.runner.attention_reason,
+        **limits,
+    )
     return serve_worker(worker, engine)
 
 

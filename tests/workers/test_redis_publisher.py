@@ -249,6 +249,7 @@ def test_c_the_registry_entry_lives_with_the_worker(r: redis.Redis, start: Start
         "num_blocks": "64",
         "max_context_len": str(health["max_context_len"]),
         "backend": "sim",
+        "role": "mixed",
         "incarnation": health["incarnation"],
     }
     assert r.sismember(WORKERS, "w-registry")

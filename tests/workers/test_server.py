@@ -231,7 +231,9 @@ def test_models_health_and_load(tiny_worker: RunningWorker) -> None:
     assert health["status"] == "ok" and health["model"] == "tiny-llama"
     assert (health["block_size"], health["num_blocks"], health["max_context_len"]) == (4, 256, 512)
     assert (
-        health["incarnation"] == tiny_worker.worker.events.incarnation and health["backend"] == "torch_sdpa"
+        health["incarnation"] == tiny_worker.worker.events.incarnation
+        and health["backend"] == "torch_sdpa"
+        and health["backend_reason"].startswith("auto chose torch_sdpa: flash_attn cannot run")
     )
     assert load(tiny_worker) == {
         "running": 0,

@@ -25,17 +25,17 @@ def parse(*flags: str) -> argparse.Namespace:
 
 def test_sim_flags_choose_the_profile_and_override_its_pool() -> None:
     default = get_profile("cpu-smollm2")
-    sim, backend = build_engine(parse("--sim"), KVEventLog())
+    sim, backend, reason = build_engine(parse("--sim"), KVEventLog())
     bm = sim.block_manager
-    assert (backend, sim.model_name) == ("sim", default.model_name)
+    assert (backend, sim.model_name) == ("sim", default.model_name) and "cost model" in reason
     assert (bm.block_size, bm.num_blocks) == (default.block_size, default.num_blocks)
     big = get_profile("h100-8b")
-    sim, _ = build_engine(parse("--sim", "--sim-profile", "h100-8b"), KVEventLog())
+    sim, _, _ = build_engine(parse("--sim", "--sim-profile", "h100-8b"), KVEventLog())
     assert (sim.block_manager.block_size, sim.block_manager.num_blocks) == (big.block_size, big.num_blocks)
-    sim, _ = build_engine(parse("--sim", "--sim-profile", "h100-8b", "--block-size", "16"), KVEventLog())
+    sim, _, _ = build_engine(parse("--sim", "--sim-profile", "h100-8b", "--block-size", "16"), KVEventLog())
     # A new block size keeps the profile's KV memory: the same tokens in more, smaller blocks.
     assert (sim.block_manager.block_size, sim.block_manager.num_blocks) == (16, big.kv_capacity_tokens // 16)
-    sim, _ = build_engine(parse("--sim", "--num-blocks", "40"), KVEventLog())
+    sim, _, _ = build_engine(parse("--sim", "--num-blocks", "40"), KVEventLog())
     assert (sim.block_manager.block_size, sim.block_manager.num_blocks) == (default.block_size, 40)
     for bad in (("--sim", "--kv-memory", "1G"), ("--sim", "--sim-profile", "no-such-gpu")):
         with pytest.raises(SystemExit):

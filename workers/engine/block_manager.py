@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from radix.hashing import chain_hashes, root_hash
 from workers.engine.sequence import Sequence
@@ -28,6 +29,23 @@ ClearedCallback = Callable[[], None]
 
 def _ignore(*_args: object) -> None:
     return None
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Room held for a prompt's KV that another worker computes (prefill/decode disaggregation).
+
+    `held` pins the prompt's prefix this pool already caches, so that it is still here when the rest
+    arrives; `blocks` are fresh, unregistered blocks, one for each of `hashes` (the prompt's blocks
+    after that prefix, in chain order, chaining from `parent`), that the transferred KV is written
+    into. `tokens` are those blocks' token ids, for events that carry them.
+    """
+
+    held: list[int]
+    parent: int | None
+    hashes: list[int]
+    blocks: list[int]
+    tokens: list[int]
 
 
 class BlockManager:
@@ -238,12 +256,19 @@ class BlockManager:
             self._on_stored_tokens(run, parent, seq.token_slice(start * bs, (start + len(run)) * bs))
 
     def free(self, seq: Sequence) -> None:
-        """Drop `seq`'s references (finish, abort or preemption); its KV is gone for it.
+        """Drop `seq`'s references (finish, abort or preemption); its KV is gone for it."""
+        self.unhold(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def unhold(self, blocks: list[int]) -> None:
+        """Drop one reference to each of `blocks`, a prefix's blocks in chain order (a sequence's, or
+        what `hold` pinned).
 
         Released registered blocks join the LRU tail-first, so a prefix is evicted from its end
         inward and the shared head of a family of prompts is the last part to go.
         """
-        for block in reversed(seq.block_table):
+        for block in reversed(blocks):
             self._ref_counts[block] -= 1
             if self._ref_counts[block]:
                 continue
@@ -251,8 +276,82 @@ class BlockManager:
                 self._free.append(block)
             else:
                 self._evictable[block] = None
-        seq.block_table = []
-        seq.num_computed_tokens = 0
+
+    # -- KV that moves between workers (prefill/decode disaggregation) ---------------------------
+
+    def prompt_hashes(self, token_ids: list[int]) -> list[int]:
+        """The chain hashes of the prompt blocks a prefix-cache hit could cover (never its last
+        token: see `lookup`), which are the blocks worth moving from a prefill worker."""
+        usable = (len(token_ids) - 1) // self.block_size * self.block_size
+        return chain_hashes(self.root, token_ids[:usable], self.block_size)
+
+    def hold(self, hashes: list[int]) -> list[int]:
+        """Pin the longest prefix of `hashes` registered here, so that no eviction takes it until
+        `unhold`; its blocks, in chain order."""
+        held: list[int] = []
+        for h in hashes:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+            held.append(block)
+        return held
+
+    def reserve(self, token_ids: list[int]) -> Reservation | None:
+        """Hold what this pool caches of a prompt and take fresh blocks for the rest of its reusable
+        blocks, to receive them from a prefill worker; None, changing nothing, if they do not fit."""
+        hashes = self.prompt_hashes(token_ids)
+        held = self.hold(hashes)
+        missing = len(hashes) - len(held)
+        if missing > self.num_free_blocks:
+            self.unhold(held)
+            return None
+        bs = self.block_size
+        start = len(held)
+        return Reservation(
+            held=held,
+            parent=hashes[start - 1] if start else None,
+            hashes=hashes[start:],
+            blocks=self._take(missing),
+            tokens=token_ids[start * bs : len(hashes) * bs],
+        )
+
+    def install(self, reservation: Reservation, received: int) -> None:
+        """Register the first `received` reserved blocks, whose KV has arrived, as computed blocks
+        under their hashes, as if computed here (with their events), and let the reservation go: the
+        rest, which never arrived, are freed. A hash registered here meanwhile keeps its block, and
+        the arrived copy is freed."""
+        if not 0 <= received <= len(reservation.blocks):
+            raise ValueError(f"received {received} of {len(reservation.blocks)} reserved blocks")
+        run: list[int] = []
+        parent = reservation.parent
+        for i, (h, block) in enumerate(zip(reservation.hashes[:received], reservation.blocks, strict=False)):
+            if h in self._by_hash:
+                self._announce(run, parent, reservation, i)
+                run, parent = [], h
+                continue
+            self._by_hash[h] = block
+            self._block_hash[block] = h
+            run.append(h)
+        self._announce(run, parent, reservation, received)
+        self.release(reservation)
+
+    def _announce(self, run: list[int], parent: int | None, reservation: Reservation, end: int) -> None:
+        """The stored event of installed blocks `run`, the reservation's blocks up to `end`."""
+        if not run:
+            return
+        self._on_stored(run, parent)
+        if self._on_stored_tokens is not None:
+            bs = self.block_size
+            self._on_stored_tokens(run, parent, reservation.tokens[(end - len(run)) * bs : end * bs])
+
+    def release(self, reservation: Reservation) -> None:
+        """Let a reservation go (after `install`, or when its transfer failed or its client left):
+        the held prefix becomes evictable again and unregistered blocks go back to the free list."""
+        self.unhold(reservation.held + reservation.blocks)
+        reservation.held, reservation.blocks = [], []
 
     def reset(self) -> None:
         """Forget every registration (a cache flush); blocks in use stay with their sequences."""

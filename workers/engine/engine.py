@@ -38,7 +38,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
     max_prefill_chunk: int | None = None
-    # Attention backend: None/"auto" picks flash-attn on CUDA when importable, SDPA otherwise.
+    # Attention backend: None/"auto" picks flash-attn, else Triton on CUDA, else SDPA (ModelRunner).
     backend: str | None = None
     num_threads: int | None = None
     # Sampling of unseeded requests; fixed here so that a test run is reproducible.

@@ -8,7 +8,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from workers.engine.engine import Engine, EngineConfig, RequestOutput
 from workers.engine.sampling_params import SamplingParams
@@ -67,6 +67,7 @@ class LLM:
 
 
 _STOP = object()
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -77,6 +78,11 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     deltas: asyncio.Queue[RequestOutput | BaseException]
     unfinished: int
+
+
+def _ran(future: Future) -> bool:
+    """Whether a command ran to a result (not skipped as cancelled, not failed)."""
+    return not future.cancelled() and future.exception() is None
 
 
 class AsyncLLM:
@@ -110,23 +116,47 @@ class AsyncLLM:
         self._commands.put(run)
         return future
 
+    async def call(self, fn: Callable[[Engine], T], undo: Callable[[Engine, T], None] | None = None) -> T:
+        """Run `fn` on the engine thread, between steps, and return its result. A caller that leaves
+        once `fn` has run cannot take its result: `undo` then gets it there, on the engine thread
+        (to give back what `fn` took), so nothing it held is leaked."""
+        future = self._call(lambda: fn(self.engine))
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if undo is not None:
+                self.post(lambda engine: undo(engine, future.result()) if _ran(future) else None)
+            raise
+
+    def post(self, fn: Callable[[Engine], object]) -> None:
+        """Run `fn` on the engine thread, between steps, without waiting: a clean-up that must happen
+        even for a caller that is being cancelled."""
+        self._call(lambda: fn(self.engine))
+
     async def generate(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, n: int = 1
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        n: int = 1,
+        prelude: Callable[[Engine], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the deltas of a request's `n` choices, each tagged with its index, as they come; the
         stream ends when all of them have finished. Leaving the iteration early (a client gone)
-        aborts the whole request."""
+        aborts the whole request. `prelude` runs on the engine thread right before the request is
+        added, with no step in between (installing the prompt's KV that arrived from elsewhere)."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
 
         def add() -> int:
+            if prelude is not None:
+                prelude(self.engine)
             request_id = self.engine.add_request(prompt_token_ids, sampling, n)
             self._streams[request_id] = _Stream(loop, deltas, n)
             return request_id
 
         def abort_if_added() -> None:
             # Runs after `add` (commands run in order): a request added for a caller gone is aborted.
-            if not added.cancelled() and added.exception() is None:
+            if _ran(added):
                 self._abort(added.result())
 
         added = self._call(add)

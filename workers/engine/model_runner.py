@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from workers.engine.attention import AttentionBackend, AttentionMetadata, build_metadata, select_backend
+from workers.engine.attention import AttentionBackend, AttentionMetadata, build_metadata, choose_backend
 from workers.engine.batch import ScheduledChunk, StepOutput, sample_slots
 from workers.engine.model import LlamaForCausalLM, ModelConfig
 from workers.engine.sampler import sample
@@ -35,8 +35,9 @@ def default_num_threads() -> int:
 class ModelRunner:
     """Executes steps for one model on one device.
 
-    backend: None or "auto" (flash-attn where it can run, else SDPA), "torch_sdpa" or "flash_attn"
-    (refused with the reason when it cannot run). num_threads sets torch's CPU threads for the whole
+    backend: None or "auto" (flash-attn where it can run, else the Triton kernels on CUDA, else SDPA),
+    or one of them by name (refused with the reason when it cannot run); `attention_reason` says why
+    the one chosen was. num_threads sets torch's CPU threads for the whole
     process; several workers sharing a host should split its cores between them rather than each
     take all (OpenMP threads that outnumber free cores slow every matmul down many times over).
     generator: the source of randomness for requests without a seed.
@@ -62,9 +63,9 @@ class ModelRunner:
             torch.set_num_threads(num_threads or default_num_threads())
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.attention: AttentionBackend = select_backend(
-            backend, device=self.device, dtype=self.dtype, block_size=block_size
-        )
+        choice = choose_backend(backend, device=self.device, dtype=self.dtype, block_size=block_size)
+        self.attention: AttentionBackend = choice.backend
+        self.attention_reason = choice.reason
         self.generator = generator
         c = self.config
         # One allocation for the whole cache: [layers, K/V, blocks, block_size, kv_heads, head_dim].
@@ -79,6 +80,41 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.config, self.dtype)
+
+    # -- blocks as bytes, for KV moved between workers (workers.kv_transfer.KVStore) ---------------
+
+    @property
+    def kv_layout(self) -> str:
+        """One block's bytes: [layers, K/V, block_size, kv_heads, head_dim] of the cache dtype."""
+        c = self.config
+        return f"{self.dtype}[{c.num_layers},2,{self.block_size},{c.num_kv_heads},{c.head_dim}]"
+
+    @property
+    def kv_block_bytes(self) -> int:
+        return self.kv_bytes_per_token * self.block_size
+
+    def staging(self, num_bytes: int) -> memoryview:
+        """Host memory a transfer lands in; pinned on CUDA, so that the copy to the device is a DMA."""
+        pinned = self.device.type == "cuda"
+        return memoryview(torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pinned).numpy())
+
+    def read_blocks(self, blocks: list[int]) -> memoryview:
+        """The blocks' K and V as [layers, K/V, blocks, block_size, kv_heads, head_dim] (the cache's
+        own order, so one gather is the only copy), in host memory (pinned on CUDA)."""
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        data = self.kv_cache.index_select(2, index)
+        if self.device.type == "cuda":
+            host = torch.empty(data.shape, dtype=self.dtype, pin_memory=True)
+            data = host.copy_(data)
+        return memoryview(data.view(torch.uint8).numpy()).cast("B")
+
+    def write_blocks(self, blocks: list[int], data: memoryview) -> None:
+        """Copy read_blocks' bytes of as many blocks into `blocks`."""
+        c = self.config
+        shape = (c.num_layers, 2, len(blocks), self.block_size, c.num_kv_heads, c.head_dim)
+        host = torch.frombuffer(data, dtype=torch.uint8).view(self.dtype).view(shape)
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        self.kv_cache.index_copy_(2, index, host.to(self.device, non_blocking=True))
 
     def execute(self, chunks: Sequence[ScheduledChunk]) -> list[StepOutput]:
         """Run a step; one StepOutput per sample slot (a chunk with sample=True, then its forks)."""

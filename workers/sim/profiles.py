@@ -3,7 +3,8 @@
 Each profile says where its numbers come from. `cpu-smollm2` is measured on this project's machine
 by `python -m workers.sim.calibrate`; `h100-8b` is derived from first principles and public figures,
 each named next to the value it sets. A profile written by calibrate (JSON) loads by its path, so a
-fresh calibration can be used before its numbers are copied here.
+fresh calibration can be used before its numbers are copied here; one written before profiles had a
+KV size per token and a link still loads (`profile_from_json`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.sim.cost_model import CostModel
+from workers.sim.link import KvLink
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +32,13 @@ class Profile:
     block_size: int
     # KV pool size in tokens; kept in tokens so that overriding block_size keeps the memory the same.
     kv_capacity_tokens: int
+    # Bytes of K and V one token takes over all layers: what a prompt's KV weighs when it moves to a
+    # decode replica (prefill/decode disaggregation).
+    kv_bytes_per_token: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    # The link a replica sends KV to another replica over.
+    link: KvLink
     # How the numbers were obtained.
     source: str
 
@@ -72,9 +79,13 @@ CPU_SMOLLM2 = Profile(
     block_size=16,
     # The real engine's default pool: 256 MiB / (46080 B x 16) = 364 blocks.
     kv_capacity_tokens=SMOLLM2_KV_MEMORY_BYTES // (SMOLLM2_KV_BYTES_PER_TOKEN * 16) * 16,
+    kv_bytes_per_token=SMOLLM2_KV_BYTES_PER_TOKEN,
     # EngineConfig's defaults.
     max_num_batched_tokens=2048,
     max_num_seqs=64,
+    # An estimate, not a measurement: TCP over loopback between two worker processes sharing this
+    # machine's 2 cores, about 1 GB/s once the bytes are copied in and out of the tensors.
+    link=KvLink(bytes_per_s=1e9, latency_s=1e-3),
     source=(
         "calibrated 2026-11-29 on AMD EPYC with 1 torch thread, fp32, SDPA; median thread CPU time of "
         "5 runs per shape; fit RMS error 6.1% (max 16.4%), holdout max 7.6%"
@@ -115,6 +126,10 @@ LLAMA3_KV_BYTES_PER_TOKEN = 2 * LLAMA3_LAYERS * LLAMA3_KV_HEADS * LLAMA3_HEAD_DI
 # 80 GB x 0.9 (vLLM's default gpu_memory_utilization) - 16 GB of weights - activations and CUDA
 # graphs leaves about 60 GB, about 450k tokens: the order of the KV cache vLLM logs for this setup.
 H100_KV_FREE_BYTES = 60 * 10**9
+# DGX H100: one ConnectX-7 at 400 Gb/s (50 GB/s) per GPU for the fabric between nodes; RDMA writes of
+# large contiguous KV blocks sustain about 90% of line rate. About 1 ms more per transfer for its
+# control messages (the decode side naming its blocks, the prefill side's completion notice).
+H100_LINK = KvLink(bytes_per_s=0.9 * 400e9 / 8, latency_s=1e-3)
 # A few ms of per-step host work (scheduling, input preparation, launches) at decode batch sizes.
 H100_STEP_OVERHEAD_S = 2e-3
 # Per-sequence host work per step (input rows, output processing, streaming), an estimate that puts a
@@ -165,13 +180,23 @@ H100_8B = Profile(
     block_size=256,
     # 60e9 / 131072 = 457,763 tokens (1788 blocks of 256).
     kv_capacity_tokens=H100_KV_FREE_BYTES // LLAMA3_KV_BYTES_PER_TOKEN,
+    kv_bytes_per_token=LLAMA3_KV_BYTES_PER_TOKEN,
     # vLLM's token budget for online serving on 80 GB-class GPUs, and its classic max_num_seqs.
     max_num_batched_tokens=8192,
     max_num_seqs=256,
+    link=H100_LINK,
     source="derived: NVIDIA H100 SXM datasheet, Llama-3-8B config, FlashAttention-3 paper; see profiles.py",
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (CPU_SMOLLM2, H100_8B)}
+
+# For a JSON profile from before these fields. KV bytes per token follow from the model's shape, which
+# the built-in profile of the same model knows; for another model, Llama-3-8B's 128 KiB (the common
+# 8B shape with grouped-query attention). The link: the loopback estimate, since calibrate measures
+# a model on this machine, where workers send KV to one another over loopback.
+KV_BYTES_PER_TOKEN_BY_MODEL: dict[str, int] = {p.model_name: p.kv_bytes_per_token for p in PROFILES.values()}
+DEFAULT_KV_BYTES_PER_TOKEN = LLAMA3_KV_BYTES_PER_TOKEN
+DEFAULT_LINK = CPU_SMOLLM2.link
 
 
 def get_profile(name_or_path: str) -> Profile:
@@ -191,7 +216,12 @@ def profile_to_json(profile: Profile) -> dict[str, Any]:
 
 
 def profile_from_json(data: dict[str, Any]) -> Profile:
+    """A profile from `profile_to_json`'s dict, with the defaults above for the fields that older
+    JSON lacks."""
     fields = dict(data)
     fields["cost"] = CostModel(**fields["cost"])
+    known = KV_BYTES_PER_TOKEN_BY_MODEL.get(fields["model_name"], DEFAULT_KV_BYTES_PER_TOKEN)
+    fields.setdefault("kv_bytes_per_token", known)
+    fields["link"] = KvLink(**fields["link"]) if "link" in fields else DEFAULT_LINK
     fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
     return Profile(**fields)

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from workers.engine.attention import BackendUnavailableError, select_backend
+from workers.engine.attention import BackendUnavailableError, choose_backend
 from workers.engine.attention.flash_attn import unavailable_reasons
 from workers.engine.model import LlamaForCausalLM, ModelConfig
 from workers.engine.model_runner import ModelRunner
@@ -15,7 +15,7 @@ from workers.engine.model_runner import ModelRunner
 
 def test_explicit_flash_attn_fails_with_every_reason() -> None:
     with pytest.raises(BackendUnavailableError) as err:
-        select_backend("flash_attn", device=torch.device("cpu"), dtype=torch.float32, block_size=16)
+        choose_backend("flash_attn", device=torch.device("cpu"), dtype=torch.float32, block_size=16)
     message = str(err.value)
     assert message.startswith("the flash_attn backend cannot run: ")
     assert "CUDA device" in message

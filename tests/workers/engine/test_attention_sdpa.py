@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.engine.attention import TorchSdpaBackend, build_metadata, select_backend
+from workers.engine.attention import TorchSdpaBackend, build_metadata, choose_backend
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -98,7 +98,9 @@ def test_metadata_refuses_bad_steps(starts: list[int], q_lens: list[int], tables
 
 
 def test_auto_selects_sdpa_on_cpu() -> None:
-    backend = select_backend(None, device=torch.device("cpu"), dtype=torch.float32, block_size=16)
+    choice = choose_backend(None, device=torch.device("cpu"), dtype=torch.float32, block_size=16)
+    backend = choice.backend
+    assert "auto chose torch_sdpa" in choice.reason
     assert backend.name == "torch_sdpa"
     with pytest.raises(ValueError, match="unknown attention backend"):
-        select_backend("xformers", device=torch.device("cpu"), dtype=torch.float32, block_size=16)
+        choose_backend("xformers", device=torch.device("cpu"), dtype=torch.float32, block_size=16)

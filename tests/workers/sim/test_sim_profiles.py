@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from workers.sim.cost_model import StepShape, chunk_shape
-from workers.sim.profiles import CPU_SMOLLM2, H100_8B, get_profile, profile_from_json, profile_to_json
+from workers.sim.profiles import (
+    CPU_SMOLLM2,
+    DEFAULT_KV_BYTES_PER_TOKEN,
+    DEFAULT_LINK,
+    H100_8B,
+    SMOLLM2_KV_BYTES_PER_TOKEN,
+    Profile,
+    get_profile,
+    profile_from_json,
+    profile_to_json,
+)
 
 
 def decodes(n: int, context: int) -> StepShape:
@@ -29,6 +41,31 @@ def test_lookup_by_name_or_calibrated_json(tmp_path: Path) -> None:
 
 def test_json_round_trip() -> None:
     assert profile_from_json(json.loads(json.dumps(profile_to_json(H100_8B)))) == H100_8B
+
+
+def old_style(profile: Profile, **changes: Any) -> dict[str, Any]:
+    """The profile's JSON as calibrate wrote it before profiles had a KV size per token and a link."""
+    data = profile_to_json(replace(profile, **changes))
+    del data["kv_bytes_per_token"], data["link"]
+    return data
+
+
+def test_a_profile_written_before_kv_sizes_and_links_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old_style(CPU_SMOLLM2, source="calibrated before PD")))
+    loaded = get_profile(str(path))
+    # The model's KV size per token from the built-in profile of the same model; the loopback link.
+    assert loaded == replace(CPU_SMOLLM2, source="calibrated before PD", link=DEFAULT_LINK)
+    assert loaded.kv_bytes_per_token == SMOLLM2_KV_BYTES_PER_TOKEN
+    assert DEFAULT_LINK.bytes_per_s == 1e9
+
+
+def test_an_old_profile_of_an_unknown_model_gets_the_documented_defaults() -> None:
+    loaded = profile_from_json(old_style(H100_8B, model_name="Qwen2.5-7B-Instruct"))
+    assert loaded.kv_bytes_per_token == DEFAULT_KV_BYTES_PER_TOKEN == 128 * 1024
+    assert loaded.link == DEFAULT_LINK
+    # A known model keeps its own size, whichever profile it came from.
+    assert profile_from_json(old_style(H100_8B)).kv_bytes_per_token == H100_8B.kv_bytes_per_token
 
 
 def test_kv_capacity() -> None:

@@ -1,0 +1,256 @@
+"""Prefill/decode disaggregation between our workers (DESIGN §4): both ends of moving a prompt's KV.
+
+The decode worker drives it. Given a request that names a prefill worker (the gateway's
+`prefixgate_prefill` field), it reserves room for the prompt's reusable blocks it lacks
+(BlockManager.reserve: its own cached prefix is pinned, so a prompt mostly here moves little), asks
+the prefill worker over HTTP (`POST /kv/prefill`) to compute the prompt and push those blocks to its
+transfer port (workers.kv_transfer), and once they are in, installs them as computed blocks, with
+their KV events, right before the request joins its batch: the request then finds them as a prefix
+hit (its `cached_tokens` counts them), computes only the last partial block, and decodes. They stay
+cached there for later prompts with that prefix.
+
+A prefill worker that fails, is unreachable or too slow costs the request nothing but time: the
+decode worker releases what it reserved and computes the prompt itself, and says so in a response
+header for the gateway. A client that leaves mid-transfer cancels the handler: the transfer is
+given up (nothing is written to the blocks after), the reservation released, and the prefill worker,
+whose request is cut, aborts its sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from protocol.disaggregation import (
+    PREFILL_ERROR_HEADER,
+    PULL_MS_HEADER,
+    TRANSFER_MS_HEADER,
+    TRANSFERRED_TOKENS_HEADER,
+)
+from protocol.errors import ApiError
+from protocol.openai_api import are_token_ids
+from workers.engine.block_manager import Reservation
+from workers.engine.engine import Engine
+from workers.engine.llm import AsyncLLM
+from workers.engine.sampling_params import SamplingParams
+from workers.kv_transfer import KVStore, TransferError, TransferServer, send_blocks
+
+DEFAULT_TRANSFER_TIMEOUT_S = 120.0
+DEFAULT_ROOM_WAIT_S = 30.0
+ROOM_POLL_S = 0.01
+
+
+@dataclass(slots=True)
+class Pulled:
+    """What a decode worker got of a prompt from its prefill worker: a reservation with `received`
+    blocks arrived (None when nothing is to be installed), or why it computes the prompt itself."""
+
+    reservation: Reservation | None
+    received: int
+    block_size: int
+    error: str | None = None
+    # The whole pull, and the push alone (the prefill worker's measure).
+    seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    bytes: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.received * self.block_size
+
+    def prelude(self) -> Callable[[Engine], None] | None:
+        """The install to run right before the request joins the batch (AsyncLLM.generate)."""
+        reservation = self.reservation
+        if reservation is None:
+            return None
+        received = self.received
+        return lambda engine: engine.block_manager.install(reservation, received)
+
+    def headers(self) -> dict[str, str]:
+        headers = {TRANSFERRED_TOKENS_HEADER: str(self.tokens)}
+        if self.tokens:
+            headers[PULL_MS_HEADER] = f"{self.seconds * 1000:.2f}"
+            headers[TRANSFER_MS_HEADER] = f"{self.transfer_seconds * 1000:.2f}"
+        if self.error is not None:
+            headers[PREFILL_ERROR_HEADER] = self.error.replace("\n", " ")[:200]
+        return headers
+
+
+def _release(engine: Engine, reservation: Reservation | None) -> None:
+    if reservation is not None:
+        engine.block_manager.release(reservation)
+
+
+def _reserving(prompt: list[int]) -> Callable[[Engine], tuple[Reservation | None, bool]]:
+    """Reserve for `prompt` on the engine thread; also whether the pool could ever hold it."""
+
+    def reserve(engine: Engine) -> tuple[Reservation | None, bool]:
+        bm = engine.block_manager
+        return bm.reserve(prompt), len(bm.prompt_hashes(prompt)) <= bm.num_blocks
+
+    return reserve
+
+
+def _release_taken(engine: Engine, taken: tuple[Reservation | None, bool]) -> None:
+    _release(engine, taken[0])
+
+
+@dataclass(slots=True)
+class Puller:
+    """The decode side: the transfer port it receives on, the HTTP client it asks prefill workers with."""
+
+    front: AsyncLLM
+    transfer: TransferServer
+    session: aiohttp.ClientSession
+    block_size: int
+    # The host prefill workers push to: the one this worker's transfer port is reachable at.
+    advertise_host: str
+    timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    # How long to wait for KV room before computing the prompt here after all.
+    room_wait_s: float = DEFAULT_ROOM_WAIT_S
+
+    async def pull(self, prompt: list[int], prefill_url: str) -> Pulled:
+        """Reserve, have the prefill worker compute and push the prompt's blocks, wait for them.
+
+        Never raises for the prefill worker's failure (the error is in the result, the reservation
+        already released); a cancellation (the client left) gives the transfer up and releases."""
+        reservation = await self._reserve(prompt)
+        if reservation is None:
+            error = f"no KV room to receive the prompt into within {self.room_wait_s:g} s"
+            return Pulled(None, 0, self.block_size, error=error)
+        if not reservation.blocks:  # everything reusable is cached here already
+            self.front.post(lambda engine: _release(engine, reservation))
+            return Pulled(None, 0, self.block_size)
+        transfer_id = uuid.uuid4().hex
+        arrived = self.transfer.expect(transfer_id, reservation.hashes, reservation.blocks)
+        body = {
+            "token_ids": prompt,
+            "skip_blocks": len(reservation.held),
+            "transfer": {"host": self.advertise_host, "port": self.transfer.port, "id": transfer_id},
+        }
+        start = time.monotonic()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                report = await self._ask(prefill_url, body)
+                received = await arrived
+        except (TransferError, aiohttp.ClientError, TimeoutError, ValueError) as error:
+            self.transfer.forget(transfer_id)
+            self.front.post(lambda engine: _release(engine, reservation))
+            reason = (
+                f"prefill worker {prefill_url} timed out" if isinstance(error, TimeoutError) else str(error)
+            )
+            return Pulled(None, 0, self.block_size, error=reason or type(error).__name__)
+        except BaseException:
+            self.transfer.forget(transfer_id)
+            self.front.post(lambda engine: _release(engine, reservation))
+            raise
+        return Pulled(
+            reservation,
+            received,
+            self.block_size,
+            seconds=time.monotonic() - start,
+            transfer_seconds=float(report.get("transfer_s", 0.0)),
+            bytes=int(report.get("bytes", 0)),
+        )
+
+    async def _reserve(self, prompt: list[int]) -> Reservation | None:
+        """Room for the prompt's blocks, waiting up to `room_wait_s` for running sequences to free
+        some: computing a long prompt here instead would stall every decode in the batch, which is
+        what disaggregation is for avoiding. None at once for a prompt the pool could never hold."""
+        deadline = time.monotonic() + self.room_wait_s
+        while True:
+            reservation, fits = await self.front.call(_reserving(prompt), undo=_release_taken)
+            if reservation is not None or not fits or time.monotonic() >= deadline:
+                return reservation
+            await asyncio.sleep(ROOM_POLL_S)
+
+    async def _ask(self, prefill_url: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self.session.post(f"{prefill_url.rstrip('/')}/kv/prefill", json=body) as response:
+            if response.status != 200:
+                text = (await response.text())[:300]
+                raise TransferError(f"prefill worker {prefill_url} answered {response.status}: {text}")
+            report = await response.json()
+        if not isinstance(report, dict):
+            raise TransferError(f"prefill worker {prefill_url} answered {report!r}")
+        return report
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOrder:
+    """A validated `POST /kv/prefill` body: the prompt, the blocks the decode worker already holds,
+    and where to push the rest."""
+
+    token_ids: list[int]
+    skip_blocks: int
+    host: str
+    port: int
+    transfer_id: str
+
+    @classmethod
+    def parse(cls, body: Any, vocab_size: int) -> PrefillOrder:
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not are_token_ids(ids, vocab_size):
+            message = f"token_ids must be a non-empty list of ids below {vocab_size}"
+            raise ApiError(400, message, param="token_ids")
+        skip = body.get("skip_blocks", 0)
+        if type(skip) is not int or skip < 0:
+            raise ApiError(400, "skip_blocks must be a non-negative integer", param="skip_blocks")
+        target = body.get("transfer")
+        if not isinstance(target, dict):
+            raise ApiError(400, "transfer must be an object with host, port and id", param="transfer")
+        host, port, transfer_id = target.get("host"), target.get("port"), target.get("id")
+        if not isinstance(host, str) or not host or type(port) is not int or not 0 < port < 65536:
+            raise ApiError(400, "transfer.host and transfer.port must name a TCP endpoint", param="transfer")
+        if not isinstance(transfer_id, str) or not transfer_id:
+            raise ApiError(400, "transfer.id must be a non-empty string", param="transfer")
+        return cls(ids, skip, host, port, transfer_id)
+
+
+async def prefill_and_push(
+    front: AsyncLLM, store: KVStore, block_size: int, order: PrefillOrder
+) -> dict[str, Any]:
+    """The prefill side: compute the prompt's reusable blocks (its own prefix cache helping), hold
+    them, push those the decode worker lacks, and report what moved. The held blocks are let go
+    whatever happens; a cut request (the decode worker gave up) aborts the prefill."""
+    start = time.monotonic()
+    hashes = await front.call(lambda engine: engine.block_manager.prompt_hashes(order.token_ids))
+    if order.skip_blocks > len(hashes):
+        raise ApiError(400, f"skip_blocks {order.skip_blocks} exceeds the prompt's {len(hashes)} blocks")
+    if len(hashes) > order.skip_blocks:
+        usable = order.token_ids[: len(hashes) * block_size]
+        # Greedy, so that the one token sampled (and dropped) draws nothing from the worker's RNG.
+        prefill = SamplingParams(max_tokens=1, temperature=0.0)
+        async with aclosing(front.generate(usable, prefill)) as outs:
+            async for _ in outs:
+                pass
+    computed = time.monotonic()
+    held = await front.call(
+        lambda engine: engine.block_manager.hold(hashes),
+        undo=lambda engine, blocks: engine.block_manager.unhold(blocks),
+    )
+    try:
+        blocks = held[order.skip_blocks :]
+        sent = hashes[order.skip_blocks : len(held)]
+        received = 0
+        if sent:
+            received = await send_blocks(order.host, order.port, order.transfer_id, sent, blocks, store)
+    except TransferError as error:
+        raise ApiError(502, f"the KV transfer to {order.host}:{order.port} failed: {error}") from None
+    finally:
+        front.post(lambda engine: engine.block_manager.unhold(held))
+    done = time.monotonic()
+    return {
+        "blocks": received,
+        "bytes": received * store.kv_block_bytes,
+        "prefill_s": round(computed - start, 6),
+        "transfer_s": round(done - computed, 6),
+    }
