@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TRACE ?= ../shared/traces/mooncake/conversation_trace.jsonl
 OUT ?= out
 
-.PHONY: demo test lint bench-radix bench-fleet bench-pd redis-server prometheus-server clean
+.PHONY: demo test lint bench-radix bench-fleet bench-pd bench-ep redis-server prometheus-server clean
 
 # The torch pin comes first: it is the CPU build on this machine's disk, and installing it before
 # the project keeps any dependency from pulling a multi-GB CUDA build.
@@ -59,6 +59,11 @@ bench-pd: $(VENV)/.installed
 	$(VENV)/bin/prefixgate bench fleet --workload longmix --pd 4:0,3:1,2:2,1:3 --json $(OUT)/pd_longmix.json
 	$(VENV)/bin/prefixgate bench fleet --trace $(TRACE) --limit 1000 --speed 0.5 --pd 4:0,3:1,2:2,1:3 \
 	  --json $(OUT)/pd_conversation.json
+
+bench-ep: $(VENV)/.installed
+	$(VENV)/bin/prefixgate bench ep --json $(OUT)/ep.json --plot $(OUT)/ep.png
+	$(VENV)/bin/prefixgate bench fleet --trace $(TRACE) --limit 2000 --speed 3 --profile mixtral-8x7b-h100 \
+	  --ep 2,4,8 --json $(OUT)/ep_mixtral.json
 
 bench-radix: $(VENV)/.installed
 	$(VENV)/bin/prefixgate bench radix --json $(OUT)/bench_radix.json

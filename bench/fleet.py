@@ -8,7 +8,8 @@ think time after the previous turn's answer ends on the virtual clock, so agent 
 loop here as over HTTP; a trace is sessions of one turn. The index is fed either by the replicas'
 KV events (precise mode) or by the routing decisions alone, with a TTL and each replica's capacity
 (approximate mode). With `--pd`, the same workload runs on splits of the fleet into prefill and
-decode replicas instead (bench.pd, bench.pd_bench).
+decode replicas instead (bench.pd, bench.pd_bench); with `--ep`, an MoE model on the same GPUs in
+replicas of each expert-parallel group size (bench.fleet_ep).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench import pd_bench
+from bench import fleet_ep, pd_bench
 from bench.latency import Slo
 from bench.parallel import run_jobs
 from bench.pd import DEFAULT_RESERVE_WAIT_S
@@ -46,6 +47,7 @@ from policies import POLICY_NAMES, RouteRequest, RoutingConfig, build_policy
 from radix import RadixIndex, block_hashes
 from workers.engine.batch import StepOutput, sample_slots
 from workers.engine.sampling_params import SamplingParams
+from workers.sim.moe import Gate
 from workers.sim.profiles import Profile, get_profile
 
 MODES = ("precise", "approximate")
@@ -277,6 +279,8 @@ def workload_of(args: argparse.Namespace, profile: Profile) -> tuple[str, list[S
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.ep is not None:
+        return run_ep(args)
     profile = fleet_profile(args.profile, args.block_size, args.num_blocks, args.max_batched_tokens)
     if args.link_gbytes is not None:
         profile = replace(profile, link=replace(profile.link, bytes_per_s=args.link_gbytes * 1e9))
@@ -346,6 +350,23 @@ def run(args: argparse.Namespace) -> dict:
             reference={0: ("pooled bound", pooled), 4: ("balanced", 1.0)},
         )
     return payload
+
+
+def run_ep(args: argparse.Namespace) -> dict:
+    """`--ep`: the MoE profile in replicas of each group size on `--gpus` GPUs, under one policy."""
+    if args.num_blocks is not None or args.max_batched_tokens is not None:
+        raise ValueError("--ep sizes each layout's KV pool and step budget from its GPUs")
+    policies = args.policies or ["prefix_aware"]
+    if len(policies) > 1:
+        raise ValueError(f"--ep compares layouts under one policy, got {' '.join(policies)}")
+    groups = fleet_ep.parse_groups(args.ep)
+    chosen = fleet_ep.layouts(args.profile, groups, args.gpus, Gate(args.gate_zipf), args.block_size)
+    workload, sessions, params = workload_of(args, chosen[0].profile)
+    requests = total_turns(sessions)
+    routing = RoutingConfig(policy=policies[0])
+    calls = [functools.partial(simulate, sessions, routing, c.profile, c.replicas) for c in chosen]
+    results = run_jobs(calls, requests * len(calls), args.workers)
+    return fleet_ep.report(args, chosen, results, workload, params, requests, policies[0])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -422,3 +443,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prompt itself, s (0: at once)",
     )
     pd.add_argument("--link-gbytes", type=float, default=None, help="KV link GB/s (default: the profile's)")
+    ep = parser.add_argument_group(
+        "expert parallelism (bench.fleet_ep): --ep replaces --replicas and --modes, and takes one policy"
+    )
+    ep.add_argument(
+        "--ep",
+        default=None,
+        metavar="G[,G...]",
+        help="GPUs per replica to compare for an MoE --profile (mixtral-8x7b-h100, qwen3-30b-a3b-h100) "
+        "at equal GPUs, e.g. 2,4,8: each an expert-parallel group with replicated attention",
+    )
+    ep.add_argument("--gpus", type=int, default=8, help="GPUs of every --ep layout")
+    ep.add_argument(
+        "--gate-zipf",
+        type=float,
+        default=0.0,
+        help="skew of the MoE gate: expert e weighed (e+1)^-S (0: uniform)",
+    )

@@ -22,6 +22,7 @@ BENCHMARKS = {
     "engine": ("bench.engine", "the engine against HF transformers on one machine"),
     "cuda-check": ("bench.cuda_check", "the engine on a CUDA device: HF's tokens, speed, cached-prefix TTFT"),
     "fleet": ("bench.fleet", "a trace over simulated replicas (real scheduler)"),
+    "ep": ("bench.ep", "MoE expert parallelism: step time, all-to-all share, rank imbalance"),
     "pd-transfer": ("bench.pd_transfer", "KV transfer between workers: loopback GB/s and share of TTFT"),
     "replay": ("bench.replay", "open-loop load against an OpenAI endpoint"),
     "overhead": ("bench.overhead", "the gateway's added latency and capacity"),

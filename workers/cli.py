@@ -111,6 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--expert-parallel",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="a mixture-of-experts model's experts split over N processes (gloo, CPU); --threads is per rank",
+    )
     parser.add_argument("--log-level", default="INFO")
     pd = parser.add_argument_group("prefill/decode disaggregation")
     pd.add_argument(
@@ -221,11 +228,37 @@ def build_engine(args: argparse.Namespace, events: KVEventLog) -> tuple[Engine |
     is the one, for the log and /health."""
     if args.sim:
         return sim_engine(args, events), SIM_BACKEND, SIM_BACKEND_REASON
+    if args.expert_parallel > 1:
+        engine = _expert_parallel_engine(args, events)
+        return engine, engine.runner.attention.name, engine.runner.attention_reason
     from workers.engine.engine import Engine
     from workers.engine.llm import load
 
     engine = Engine(load(args.model, device=_device(args.device)), engine_config(args), **events.callbacks())
     return engine, engine.runner.attention.name, engine.runner.attention_reason
+
+
+def _expert_parallel_engine(args: argparse.Namespace, events: KVEventLog) -> Engine:
+    """Rank 0's engine; the other ranks are daemonic processes that end with this one."""
+    from workers.engine.expert_parallel import ExpertParallelGroup
+    from workers.engine.model import UnsupportedModelError
+
+    if args.role == "decode" or _device(args.device) != "cpu":
+        raise SystemExit(
+            "prefixgate worker: --expert-parallel runs on the CPU only, and not in the decode role (KV "
+            "pulled into rank 0's cache would not reach the other ranks)"
+        )
+    try:
+        group = ExpertParallelGroup.start(
+            args.model,
+            args.expert_parallel,
+            engine_config(args),
+            threads=args.threads or 1,
+            **events.callbacks(),
+        )
+    except UnsupportedModelError as error:
+        raise SystemExit(f"prefixgate worker: {error}") from None
+    return group.engine
 
 
 def build_worker(args: argparse.Namespace) -> Worker:

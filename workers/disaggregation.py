@@ -60,6 +60,8 @@ class Pulled:
     seconds: float = 0.0
     transfer_seconds: float = 0.0
     bytes: int = 0
+    # Whether the error is the prefill worker's (the gateway then marks it failed), not this one's.
+    prefill_failed: bool = True
 
     @property
     def tokens(self) -> int:
@@ -78,7 +80,7 @@ class Pulled:
         if self.tokens:
             headers[PULL_MS_HEADER] = f"{self.seconds * 1000:.2f}"
             headers[TRANSFER_MS_HEADER] = f"{self.transfer_seconds * 1000:.2f}"
-        if self.error is not None:
+        if self.error is not None and self.prefill_failed:
             headers[PREFILL_ERROR_HEADER] = self.error.replace("\n", " ")[:200]
         return headers
 
@@ -124,7 +126,7 @@ class Puller:
         reservation = await self._reserve(prompt)
         if reservation is None:
             error = f"no KV room to receive the prompt into within {self.room_wait_s:g} s"
-            return Pulled(None, 0, self.block_size, error=error)
+            return Pulled(None, 0, self.block_size, error=error, prefill_failed=False)
         if not reservation.blocks:  # everything reusable is cached here already
             self.front.post(lambda engine: _release(engine, reservation))
             return Pulled(None, 0, self.block_size)

@@ -7,11 +7,16 @@ uses, so that dashboards and load pickers written for vLLM read a prefixgate wor
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 from protocol.serving import LATENCY_BUCKETS
 from workers.engine.scheduler import SchedulerStats
+
+if TYPE_CHECKING:
+    from workers.engine.model.moe import RoutingCounts
 
 
 class WorkerMetrics:
@@ -86,6 +91,8 @@ class WorkerMetrics:
             "prefixgate_worker_kv_pull_failures", "Pulls given up: the prompt was computed here instead"
         )
 
+        self.moe = MoeMetrics(registry)
+
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
@@ -124,3 +131,45 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class MoeMetrics:
+    """Tokens routed per expert and per expert-parallel rank (summed over MoE layers): in total, and in
+    the last step with the rank imbalance (max / mean), which is what an all-to-all waits on. Exported
+    only by workers serving a mixture-of-experts model."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._totals: dict[str, Counter] = {}
+        self._steps: dict[str, Gauge] = {}
+        for kind, whose in (("expert", "each expert"), ("rank", "each rank's experts")):
+            labels = ("model_name", kind)
+            self._totals[kind] = Counter(
+                f"prefixgate_worker_moe_{kind}_tokens", f"Tokens routed to {whose}", labels, registry=registry
+            )
+            self._steps[kind] = Gauge(
+                f"prefixgate_worker_moe_step_{kind}_tokens",
+                f"Tokens routed to {whose} in the last step",
+                labels,
+                registry=registry,
+            )
+        self.step_imbalance = Gauge(
+            "prefixgate_worker_moe_step_rank_imbalance",
+            "Max over mean of the ranks' routed tokens in the last step (1: balanced)",
+            ("model_name",),
+            registry=registry,
+        )
+        # Totals already counted, per (kind, index): counters only go up by what is new.
+        self._counted: dict[tuple[str, int], int] = {}
+
+    def set(self, model: str, routing: RoutingCounts, ranks: int) -> None:
+        by_rank = routing.per_rank(routing.last_step, ranks).tolist()
+        self._export(model, "expert", routing.total.tolist(), routing.last_step.tolist())
+        self._export(model, "rank", routing.per_rank(routing.total, ranks).tolist(), by_rank)
+        mean = sum(by_rank) / ranks
+        self.step_imbalance.labels(model).set(max(by_rank) / mean if mean else 1.0)
+
+    def _export(self, model: str, kind: str, totals: list[int], last_step: list[int]) -> None:
+        for index, (total, step) in enumerate(zip(totals, last_step, strict=True)):
+            self._totals[kind].labels(model, str(index)).inc(total - self._counted.get((kind, index), 0))
+            self._counted[(kind, index)] = total
+            self._steps[kind].labels(model, str(index)).set(step)

@@ -544,6 +544,10 @@ async def metrics(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     rt.feed.flush()
     rt.metrics.set_load(await rt.worker.front.stats(), rt.worker.events.num_cached)
+    # A MoE model's routing counts (the simulated engine's runner has no model).
+    model = getattr(rt.worker.front.engine.runner, "model", None)
+    if getattr(model, "routing", None) is not None:
+        rt.metrics.moe.set(rt.metrics.model, model.routing, model.shard.size)
     return web.Response(body=rt.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 

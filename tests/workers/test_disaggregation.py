@@ -267,3 +267,24 @@ def test_a_decode_worker_without_room_waits_for_it_rather_than_prefill_itself(
     assert pulled.headers[TRANSFERRED_TOKENS_HEADER] == "36", pulled.headers.get(PREFILL_ERROR_HEADER)
     assert done and done[0] <= finished
     wait_for(lambda: idle(decode))
+
+
+def test_no_room_past_the_wait_computes_locally_without_blaming_the_prefill_worker(
+    make_worker: StartWorker,
+) -> None:
+    prefill = make_worker(CONFIG, role="prefill")
+    decode = make_worker(EngineConfig(block_size=4, num_blocks=24), role="decode", room_wait_s=0.2)
+    slow_down(decode, 0.1)
+    hog = {"prompt": random_ids(80, 14), "max_tokens": 10, "ignore_eos": True}
+    hogging = threading.Thread(
+        target=lambda: httpx.post(f"{decode.url}/v1/completions", json=hog, timeout=60).raise_for_status()
+    )
+    hogging.start()
+    wait_for(lambda: httpx.get(f"{decode.url}/load").json()["running"] == 1)
+    served = complete(decode, random_ids(37, 15), prefill.url, max_tokens=4)
+    hogging.join()
+    assert served.headers[TRANSFERRED_TOKENS_HEADER] == "0"
+    assert PREFILL_ERROR_HEADER not in served.headers, "the decode worker's lack of room is its own"
+    metrics = httpx.get(f"{decode.url}/metrics").text
+    assert 'prefixgate_worker_kv_pull_failures_total{model_name="tiny-llama"} 1.0' in metrics
+    wait_for(lambda: idle(decode) and idle(prefill))

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from protocol.models import DEFAULT_MODEL_NAME, build_folder_once, converted_folder, default_gguf_path
 from protocol.tokenizer import Tokenizer
 from workers.engine.model import LlamaForCausalLM, ModelConfig, load_hf_weights
+from workers.engine.model.moe import ExpertShard
 
 # Nothing here may reach the Hub; huggingface_hub reads this when it is first imported.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -62,10 +63,13 @@ def load_model(
     name: str | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    shard: ExpertShard | None = None,
 ) -> LoadedModel:
-    """Load a model (see model_folder for what `source` may be)."""
+    """Load a model (see model_folder for what `source` may be); `shard`: the experts to hold, for a
+    rank of an expert-parallel group."""
     folder, served = model_folder(source)
-    return _load_folder(folder, name or served, dtype, torch.device(device))
+    model = load_weights(folder, dtype=dtype, device=device, shard=shard)
+    return LoadedModel(model, load_tokenizer(folder), name or served, model.config, folder)
 
 
 def gguf_model_name(path: Path) -> str:
@@ -88,7 +92,11 @@ def read_config(folder: Path) -> ModelConfig:
 
 
 def load_weights(
-    folder: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    folder: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    shard: ExpertShard | None = None,
 ) -> LlamaForCausalLM:
     """The model alone (its config in `.config`), for callers that bring their own tokenizer or none."""
     folder, device = Path(folder), torch.device(device)
@@ -96,14 +104,9 @@ def load_weights(
     weight_files = sorted(folder.glob("*.safetensors"))
     if not weight_files:
         raise FileNotFoundError(f"{folder} has no *.safetensors weights")
-    model = LlamaForCausalLM.empty(config, dtype=dtype or default_dtype(device), device=device)
+    model = LlamaForCausalLM.empty(config, dtype=dtype or default_dtype(device), device=device, shard=shard)
     load_hf_weights(model, _read_safetensors(weight_files))
     return model
-
-
-def _load_folder(folder: Path, name: str, dtype: torch.dtype | None, device: torch.device) -> LoadedModel:
-    model = load_weights(folder, dtype=dtype, device=device)
-    return LoadedModel(model, load_tokenizer(folder), name, model.config, folder)
 
 
 def _read_safetensors(files: list[Path]) -> Any:

@@ -7,7 +7,7 @@ which blocks belong to whom beyond what each ScheduledChunk says; allocation is 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -76,6 +76,9 @@ class ModelRunner:
             device=self.device,
         )
         self._layer_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        # Called with every step about to run: expert parallelism (expert_parallel.py) sends it to the
+        # other ranks, which must run the same forward for their experts' share of it.
+        self.on_step: Callable[[Sequence[ScheduledChunk]], None] | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -145,6 +148,8 @@ class ModelRunner:
         for c in chunks:
             if c.start_pos + len(c.token_ids) > max_len:
                 raise ValueError(f"sequence {c.seq_id} would exceed the model's {max_len}-token context")
+        if self.on_step is not None:
+            self.on_step(chunks)
         meta = build_metadata(
             [c.start_pos for c in chunks],
             [len(c.token_ids) for c in chunks],
@@ -158,6 +163,8 @@ class ModelRunner:
         )
         attention = self.attention.prepare(meta, self.config.head_dim**-0.5)
         hidden = self.model(input_ids, meta.positions, attention, self._layer_caches)
+        if self.model.routing is not None:
+            self.model.routing.end_step()
         last_rows = _last_rows(meta, [c.sample for c in chunks])
         return self.model.compute_logits(hidden.index_select(0, last_rows.to(self.device)))
 

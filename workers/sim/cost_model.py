@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 from workers.engine.batch import ScheduledChunk
 
@@ -94,6 +95,15 @@ def step_shape(chunks: Iterable[ScheduledChunk]) -> StepShape:
             pairs += causal_pairs(q, p)
         sampled += c.sample
     return StepShape(prefill_tokens, pairs, decode_seqs, kv_tokens, sampled)
+
+
+class StepCost(Protocol):
+    """What a simulated replica needs of its cost model: this module's CostModel for one GPU, or
+    ep_cost's ExpertParallelCost for a group of them serving one MoE model."""
+
+    def time(self, shape: StepShape) -> float: ...
+
+    def step_time(self, chunks: Iterable[ScheduledChunk]) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ class SimEngine(Engine):
             SchedulerConfig(
                 max_num_batched_tokens=profile.max_num_batched_tokens,
                 max_num_seqs=profile.max_num_seqs,
+                max_prefill_chunk=profile.max_prefill_chunk,
                 eos_token_ids=profile.eos_token_ids,
             ),
             block_manager,

@@ -4,7 +4,8 @@ Each profile says where its numbers come from. `cpu-smollm2` is measured on this
 by `python -m workers.sim.calibrate`; `h100-8b` is derived from first principles and public figures,
 each named next to the value it sets. A profile written by calibrate (JSON) loads by its path, so a
 fresh calibration can be used before its numbers are copied here; one written before profiles had a
-KV size per token and a link still loads (`profile_from_json`).
+KV size per token and a link still loads (`profile_from_json`). MoE models, laid out as
+expert-parallel groups of GPUs, are moe_profiles'.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.sim.cost_model import CostModel
+from workers.sim.cost_model import CostModel, StepCost
 from workers.sim.link import KvLink
 
 
@@ -28,7 +29,9 @@ class Profile:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_context_len: int
-    cost: CostModel
+    # A CostModel for one GPU; an ExpertParallelCost for an expert-parallel group (moe_profiles),
+    # which JSON does not hold: calibrate measures one GPU.
+    cost: StepCost
     block_size: int
     # KV pool size in tokens; kept in tokens so that overriding block_size keeps the memory the same.
     kv_capacity_tokens: int
@@ -41,6 +44,9 @@ class Profile:
     link: KvLink
     # How the numbers were obtained.
     source: str
+    # Longest prefill chunk of one sequence per step (None: the step's budget). An expert-parallel
+    # group's budget is all its ranks', but a sequence's chunk runs on its own rank (ep_cost).
+    max_prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -137,9 +143,13 @@ H100_STEP_OVERHEAD_S = 2e-3
 H100_HOST_PER_SEQ_S = 10e-6
 
 
-def _h100_8b_cost() -> CostModel:
-    """Each coefficient from the figures above; the checks below it are what published numbers say.
+def h100_cost(
+    block_params: int, head_params: int, layers: int, heads: int, head_dim: int, kv_bytes: int
+) -> CostModel:
+    """A bf16 transformer's coefficients on one H100 from the figures above: `block_params` are the
+    parameters every token goes through in the blocks, `head_params` the LM head's.
 
+    For Llama-3-8B (h100-8b) these are what published numbers say:
     - one decode alone: 2 ms + 5.6 ms of weights = ~7.7 ms TPOT (~130 tokens/s single stream);
     - 256 decodes at 1.5k context: ~31 ms TPOT (vLLM/SGLang ballpark at high batch: 30-40 ms);
     - a 2048-token prefill: ~63 ms, ~32k tokens/s of pure prefill. Served prompt throughput in
@@ -149,14 +159,14 @@ def _h100_8b_cost() -> CostModel:
     effective_flops = H100_BF16_FLOPS * PREFILL_MFU
     bandwidth = H100_HBM_BYTES_PER_S * HBM_EFFICIENCY
     # Two FLOPs (multiply, add) per parameter per token; the embedding is a lookup, no FLOPs.
-    token_s = 2 * LLAMA3_BLOCK_PARAMS / effective_flops
+    token_s = 2 * block_params / effective_flops
     # Every step streams the blocks and the LM head; the embedding rows it gathers are negligible.
-    weights_s = (LLAMA3_BLOCK_PARAMS + LLAMA3_HEAD_PARAMS) * BF16_BYTES / bandwidth
+    weights_s = (block_params + head_params) * BF16_BYTES / bandwidth
     # The LM head's GEMM row for each sampled sequence, plus its host-side work.
-    sample_s = 2 * LLAMA3_HEAD_PARAMS / effective_flops + H100_HOST_PER_SEQ_S
+    sample_s = 2 * head_params / effective_flops + H100_HOST_PER_SEQ_S
     # QK^T and PV: 2 x 2 FLOPs per head dim, per head, per layer, for each causal (query, key) pair.
-    attn_pair_s = 4 * LLAMA3_LAYERS * LLAMA3_HEADS * LLAMA3_HEAD_DIM / FLASH_ATTN_FLOPS
-    kv_token_s = LLAMA3_KV_BYTES_PER_TOKEN / bandwidth
+    attn_pair_s = 4 * layers * heads * head_dim / FLASH_ATTN_FLOPS
+    kv_token_s = kv_bytes / bandwidth
     return CostModel(
         step_s=H100_STEP_OVERHEAD_S,
         sample_s=sample_s,
@@ -175,7 +185,14 @@ H100_8B = Profile(
     vocab_size=LLAMA3_VOCAB,
     eos_token_ids=(128001, 128009),
     max_context_len=131072,
-    cost=_h100_8b_cost(),
+    cost=h100_cost(
+        LLAMA3_BLOCK_PARAMS,
+        LLAMA3_HEAD_PARAMS,
+        LLAMA3_LAYERS,
+        LLAMA3_HEADS,
+        LLAMA3_HEAD_DIM,
+        LLAMA3_KV_BYTES_PER_TOKEN,
+    ),
     # This engine's flash-attn paged KV needs a multiple of 256 (DESIGN §3).
     block_size=256,
     # 60e9 / 131072 = 457,763 tokens (1788 blocks of 256).

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from workers.engine.batch import SampleSlot, ScheduledChunk, StepOutput, sample_slots
-from workers.sim.cost_model import CostModel
+from workers.sim.cost_model import StepCost
 
 _MASK64 = (1 << 64) - 1
 
@@ -102,7 +102,7 @@ class SimRunner:
 
     def __init__(
         self,
-        cost: CostModel,
+        cost: StepCost,
         *,
         vocab_size: int,
         eos_token_ids: Sequence[int] = (),

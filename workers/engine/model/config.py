@@ -1,4 +1,5 @@
-"""The model shape the engine needs, read once from a HF `config.json` (Llama, Mistral, Qwen2).
+"""The model shape the engine needs, read once from a HF `config.json` (Llama, Mistral, Qwen2, and the
+mixture-of-experts Mixtral and Qwen2-MoE).
 
 Both spellings of RoPE settings exist in the wild: older files carry `rope_theta` + `rope_scaling`,
 transformers 5 writes `rope_parameters`. Everything is normalised here so that the model code never
@@ -11,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -29,6 +30,22 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """The sparse MLP of a mixture-of-experts model; `layers` are the decoder layers that have it (the
+    rest keep the dense MLP, as Qwen2-MoE's `mlp_only_layers` and `decoder_sparse_step` say)."""
+
+    num_experts: int
+    top_k: int
+    # Hidden width of each routed expert.
+    intermediate_size: int
+    # Renormalise the top-k probabilities to sum to 1 (Mixtral always; Qwen2-MoE per `norm_topk_prob`).
+    norm_topk_prob: bool
+    layers: tuple[int, ...]
+    # Qwen2-MoE's shared expert, which every token visits, scaled by a sigmoid gate; 0: none.
+    shared_expert_intermediate_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +71,7 @@ class ModelConfig:
     # Sliding-window attention is not implemented: the context is capped at the window instead, where
     # a windowed model and full attention give the same result.
     sliding_window: int | None = None
+    moe: MoeConfig | None = None
 
     @property
     def max_context_len(self) -> int:
@@ -98,13 +116,54 @@ class ModelConfig:
             rope=parse_rope(hf),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
+            qkv_bias=_qkv_bias(hf, attention_bias),
+            o_bias=model_type not in ("qwen2", "qwen2_moe") and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_eos_ids(hf, generation_config or {}),
             sliding_window=_sliding_window(hf),
+            moe=parse_moe(hf),
         )
+
+
+def _qkv_bias(hf: Mapping[str, Any], attention_bias: bool) -> bool:
+    """Qwen2 always has q/k/v biases, Qwen2-MoE per `qkv_bias` (default on), Llama per `attention_bias`."""
+    model_type = hf.get("model_type")
+    if model_type == "qwen2":
+        return True
+    if model_type == "qwen2_moe":
+        return bool(hf.get("qkv_bias", True))
+    return attention_bias
+
+
+def parse_moe(hf: Mapping[str, Any]) -> MoeConfig | None:
+    """The MoE shape of a Mixtral or Qwen2-MoE config (None for dense models)."""
+    model_type = hf.get("model_type")
+    num_layers = int(hf["num_hidden_layers"])
+    if model_type == "mixtral":
+        return MoeConfig(
+            num_experts=int(hf["num_local_experts"]),
+            top_k=int(hf["num_experts_per_tok"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            norm_topk_prob=True,
+            layers=tuple(range(num_layers)),
+        )
+    if model_type != "qwen2_moe":
+        return None
+    num_experts = int(hf["num_experts"])
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = set(hf.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+    if not layers:
+        raise UnsupportedModelError("a qwen2_moe config without MoE layers: serve it as the dense model")
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=int(hf["num_experts_per_tok"]),
+        intermediate_size=int(hf["moe_intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        layers=layers,
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+    )
 
 
 def parse_rope(hf: Mapping[str, Any]) -> RopeConfig:
@@ -152,7 +211,7 @@ def _sliding_window(hf: Mapping[str, Any]) -> int | None:
     window = hf.get("sliding_window")
     if window is None:
         return None
-    # Qwen2 carries a window it only uses when use_sliding_window is set.
-    if hf.get("model_type") == "qwen2" and not hf.get("use_sliding_window", False):
+    # Qwen2 (and Qwen2-MoE) carries a window it only uses when use_sliding_window is set.
+    if hf.get("model_type") in ("qwen2", "qwen2_moe") and not hf.get("use_sliding_window", False):
         return None
     return int(window)

@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2; SmolLM2 is a Llama) over a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2; SmolLM2 is a Llama; Mixtral and Qwen2-MoE with the sparse
+MLP of moe.py in their MoE layers) over a paged KV cache.
 
 The forward pass takes one flattened step: every scheduled sequence's new tokens concatenated, with
 their positions, and the attention that was planned for the step. Each layer writes its K/V into its
@@ -12,12 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from workers.engine.attention.backend import StepAttention
 from workers.engine.model.config import ModelConfig
 from workers.engine.model.linear import Linear
+from workers.engine.model.mlp import MLP
+from workers.engine.model.moe import ExpertShard, RoutingCounts, SparseMoeBlock
 from workers.engine.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -63,25 +65,13 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(n, self.q_size))
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -99,18 +89,31 @@ class DecoderLayer(nn.Module):
 class LlamaBackbone(nn.Module):
     """Named `model` inside LlamaForCausalLM so that parameter names follow HF checkpoints."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: ExpertShard, routing: RoutingCounts | None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, _mlp(config, i, shard, routing)) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+def _mlp(config: ModelConfig, layer: int, shard: ExpertShard, routing: RoutingCounts | None) -> nn.Module:
+    if config.moe is not None and routing is not None and layer in config.moe.layers:
+        return SparseMoeBlock(config, shard, routing)
+    return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """shard: the experts this process holds (all of them unless expert parallelism splits them)."""
+
+    def __init__(self, config: ModelConfig, shard: ExpertShard | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaBackbone(config)
+        self.shard = shard or ExpertShard()
+        # Tokens per expert, shared by every MoE layer; None for a dense model.
+        self.routing = RoutingCounts(config.moe.num_experts) if config.moe is not None else None
+        self.model = LlamaBackbone(config, self.shard, self.routing)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -118,11 +121,16 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def empty(
-        cls, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str
+        cls,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        shard: ExpertShard | None = None,
     ) -> LlamaForCausalLM:
         """Allocated but uninitialised: skips random init of weights the checkpoint overwrites anyway."""
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(config, shard)
         model = model.to(dtype=dtype).to_empty(device=device)
         if config.tie_word_embeddings:
             # to_empty gives every parameter its own storage, so the tie is made again.
@@ -147,3 +155,6 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits, whatever the model dtype, so sampling and logprobs never round in half."""
         return self.lm_head(hidden).float()
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
