@@ -56,9 +56,10 @@ bench-fleet: $(VENV)/.installed
 # Prefill/decode splits of 4 h100-8b GPUs against 4 mixed replicas (bench.pd): the long-prompt mix, then
 # the conversation trace's first 1,000 requests at half speed (about 1.7 requests/s).
 bench-pd: $(VENV)/.installed
-	$(VENV)/bin/prefixgate bench fleet --workload longmix --pd 4:0,3:1,2:2,1:3 --json $(OUT)/pd_longmix.json
+	$(VENV)/bin/prefixgate bench fleet --workload longmix --pd 4:0,3:1,2:2,1:3 --slo-stall 0.05 \
+	  --json $(OUT)/pd_longmix.json
 	$(VENV)/bin/prefixgate bench fleet --trace $(TRACE) --limit 1000 --speed 0.5 --pd 4:0,3:1,2:2,1:3 \
-	  --json $(OUT)/pd_conversation.json
+	  --slo-stall 0.05 --json $(OUT)/pd_conversation.json
 
 bench-ep: $(VENV)/.installed
 	$(VENV)/bin/prefixgate bench ep --json $(OUT)/ep.json --plot $(OUT)/ep.png
