@@ -4,6 +4,8 @@ The workers are child processes (each its own engine and torch threads, as in pr
 gateway runs in this process. After start-up it sends two chat requests through the official
 `openai` client that share a long system prompt: the first shows where it went, the second that the
 gateway sent it to the replica already holding that prefix, and how many tokens came from the cache.
+With `--prefill N` the first N workers are prefill workers and the rest decode workers: the first
+request's prompt is computed on a prefill worker and its KV moved to the decode worker that answers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from gateway.app import GATEWAY, create_app
 from gateway.config import GatewayConfig, parse_config
+from protocol.disaggregation import TRANSFERRED_TOKENS_HEADER
 
 SYSTEM_PROMPT = (
     "You are the support assistant of a small bicycle shop in Lyon. The shop sells city bikes, "
@@ -73,6 +76,12 @@ class Fleet:
                 proc.kill()
 
 
+def _role(args: argparse.Namespace, index: int) -> str:
+    if not args.prefill:
+        return "mixed"
+    return "prefill" if index < args.prefill else "decode"
+
+
 def _worker_command(args: argparse.Namespace, index: int, sock: socket.socket) -> list[str]:
     threads = max(1, (os.cpu_count() or 1) // args.workers)
     command = [
@@ -86,6 +95,8 @@ def _worker_command(args: argparse.Namespace, index: int, sock: socket.socket) -
         str(sock.fileno()),
         "--id",
         f"worker-{index}",
+        "--role",
+        _role(args, index),
         "--threads",
         str(threads),
         "--log-level",
@@ -155,6 +166,9 @@ def gateway_config(args: argparse.Namespace, urls: list[str]) -> GatewayConfig:
         "replicas": [{"url": u} for u in urls],
         "routing": {"policy": args.policy},
     }
+    if args.prefill:
+        # The demo's prompts are short: pair them anyway, so that the transfer shows.
+        data["routing"] = {"policy": args.policy, "pd": {"min_transfer_tokens": 1}}
     if args.redis:
         data["redis"] = {"url": args.redis}
     return parse_config(data)
@@ -184,13 +198,21 @@ def first_requests(base_url: str) -> list[dict[str, object]]:
                 "replica": raw.headers.get("x-prefixgate-replica"),
                 "prompt_tokens": usage.prompt_tokens if usage else 0,
                 "cached_tokens": cached or 0,
+                "prefill": raw.headers.get("x-prefixgate-prefill-replica"),
+                "transferred": int(raw.headers.get(TRANSFERRED_TOKENS_HEADER, "0")),
             }
         )
+        line = shown[-1]
         console.print(
-            f"[bold]Q:[/bold] {question}\n[bold]A:[/bold] {shown[-1]['answer']}\n"
-            f"   served by [cyan]{shown[-1]['replica']}[/cyan], "
-            f"{shown[-1]['cached_tokens']} of {shown[-1]['prompt_tokens']} prompt tokens from its cache"
+            f"[bold]Q:[/bold] {question}\n[bold]A:[/bold] {line['answer']}\n"
+            f"   served by [cyan]{line['replica']}[/cyan], "
+            f"{line['cached_tokens']} of {line['prompt_tokens']} prompt tokens from its cache"
         )
+        if line["prefill"]:
+            console.print(
+                f"   prompt computed by [cyan]{line['prefill']}[/cyan], "
+                f"{line['transferred']} tokens of KV moved to {line['replica']}"
+            )
     return shown
 
 
@@ -225,6 +247,12 @@ async def _serve(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="of the workers, how many are prefill workers, the rest decode workers (default 0: all mixed)",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="the gateway's port (0: any free one)")
     parser.add_argument(
@@ -238,6 +266,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.prefill < args.workers:
+        console.print(f"prefixgate up: --prefill must be in [0, --workers), got {args.prefill}")
+        return 2
     gateway_sock = listen(args.host, args.port)
     with (
         Progress(

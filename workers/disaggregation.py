@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -117,6 +117,9 @@ class Puller:
     timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
     # How long to wait for KV room before computing the prompt here after all.
     room_wait_s: float = DEFAULT_ROOM_WAIT_S
+    # Pulls waiting for room take turns in arrival order (asyncio.Lock is fair): a long prompt at the
+    # head is not overtaken forever by short ones that happen to fit.
+    _room: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def pull(self, prompt: list[int], prefill_url: str) -> Pulled:
         """Reserve, have the prefill worker compute and push the prompt's blocks, wait for them.
@@ -167,11 +170,12 @@ class Puller:
         some: computing a long prompt here instead would stall every decode in the batch, which is
         what disaggregation is for avoiding. None at once for a prompt the pool could never hold."""
         deadline = time.monotonic() + self.room_wait_s
-        while True:
-            reservation, fits = await self.front.call(_reserving(prompt), undo=_release_taken)
-            if reservation is not None or not fits or time.monotonic() >= deadline:
-                return reservation
-            await asyncio.sleep(ROOM_POLL_S)
+        async with self._room:
+            while True:
+                reservation, fits = await self.front.call(_reserving(prompt), undo=_release_taken)
+                if reservation is not None or not fits or time.monotonic() >= deadline:
+                    return reservation
+                await asyncio.sleep(ROOM_POLL_S)
 
     async def _ask(self, prefill_url: str, body: dict[str, Any]) -> dict[str, Any]:
         async with self.session.post(f"{prefill_url.rstrip('/')}/kv/prefill", json=body) as response:

@@ -120,6 +120,44 @@ def test_up_starts_the_local_fleet_and_shows_a_cache_hit() -> None:
     assert " 0 of " in first and " 0 of " not in second
 
 
+def test_up_with_a_prefill_worker_moves_the_prompt_to_the_decode_worker() -> None:
+    """`up --prefill 1`: worker-0 computes prompts, worker-1 decodes them with the KV moved over."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "up",
+            "--once",
+            "--port",
+            "0",
+            "--worker-port",
+            "0",
+            "--prefill",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert out.count("served by worker-1") == 2, "only the decode worker answers clients"
+    moved = [line for line in out.splitlines() if "prompt computed by worker-0" in line]
+    assert len(moved) == 2 and int(moved[0].split(", ")[1].split()[0]) > 0
+    assert "cache hit: the second request reused" in out
+
+
+def test_up_refuses_a_fleet_of_prefill_workers_only() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "up", "--once", "--workers", "2", "--prefill", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "--prefill must be in [0, --workers)" in done.stdout
+
+
 @pytest.mark.parametrize("busy_flag", ["--port", "--worker-port"])
 def test_up_refuses_a_busy_port_before_loading_anything(busy_flag: str) -> None:
     with socket.create_server(("127.0.0.1", 0)) as busy:
