@@ -26,6 +26,7 @@ import aiohttp
 import orjson
 from redis.asyncio import Redis
 
+from gateway.followers import Followers
 from protocol.cancellation import check_cancelled
 from protocol.kv_events import EventBatch
 from protocol.redis_keys import kv_stream_key
@@ -398,9 +399,7 @@ class IndexSync:
         self.poll_timeout_s = poll_timeout_s
         self.block_ms = block_ms
         self.retry_max_s = retry_max_s
-        self._states: dict[str, SyncState] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._stopping: set[asyncio.Task[None]] = set()
+        self._followers: Followers[SyncState] = Followers()
 
     @property
     def transport(self) -> Transport:
@@ -409,12 +408,12 @@ class IndexSync:
     @property
     def states(self) -> dict[str, SyncState]:
         """The followed replicas' states by id (a copy; the states themselves are live)."""
-        return dict(self._states)
+        return self._followers.states
 
     def start(self, replica_id: str, url: str) -> SyncState:
         """Follow a replica (already in the index). For a replica followed already this only updates
         its url (a worker that restarted elsewhere under the same id): its follower keeps its place."""
-        state = self._states.get(replica_id)
+        state = self._followers.get(replica_id)
         if state is not None:
             state.url = url
             return state
@@ -437,21 +436,11 @@ class IndexSync:
                 block_ms=self.block_ms,
                 retry_max_s=self.retry_max_s,
             )
-        self._states[replica_id] = state
-        self._tasks[replica_id] = asyncio.create_task(follow, name=f"kv-sync:{replica_id}")
-        return state
+        return self._followers.start(replica_id, state, follow, "kv-sync")
 
     def stop(self, replica_id: str) -> None:
-        """Stop following a replica. Its follower touches the index no more once this returns (a
-        cancelled task runs nothing past its current await), so the replica may be dropped at once."""
-        self._states.pop(replica_id, None)
-        task = self._tasks.pop(replica_id, None)
-        if task is not None:
-            task.cancel()
-            self._stopping.add(task)
-            task.add_done_callback(self._stopping.discard)
+        """Stop following a replica: it may be dropped from the index once this returns."""
+        self._followers.stop(replica_id)
 
     async def close(self) -> None:
-        for replica_id in list(self._tasks):
-            self.stop(replica_id)
-        await asyncio.gather(*self._stopping, return_exceptions=True)
+        await self._followers.close()

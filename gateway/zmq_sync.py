@@ -49,6 +49,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from gateway.followers import Followers
 from gateway.kv_sync import RETRY_MAX_S, Backoff
 from protocol.vllm_kv_events import (
     MEDIUM_GPU,
@@ -531,22 +532,20 @@ class ZmqSync:
         self.idle_check_s = idle_check_s
         self.retry_max_s = retry_max_s
         self._ctx: zmq.asyncio.Context | None = None
-        self._states: dict[str, ZmqSyncState] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._stopping: set[asyncio.Task[None]] = set()
+        self._followers: Followers[ZmqSyncState] = Followers()
 
     @property
     def states(self) -> dict[str, ZmqSyncState]:
         """The followed replicas' states by id (a copy; the states themselves are live)."""
-        return dict(self._states)
+        return self._followers.states
 
     def follows(self, replica_id: str) -> bool:
-        return replica_id in self._states
+        return self._followers.get(replica_id) is not None
 
     def start(self, replica_id: str, model: str, block_size: int, source: ZmqSource) -> ZmqSyncState:
         """Follow a replica (already in the index) whose blocks hash under `model` in `block_size`
         tokens. A replica followed already keeps its follower."""
-        state = self._states.get(replica_id)
+        state = self._followers.get(replica_id)
         if state is not None:
             return state
         if self._ctx is None:
@@ -561,23 +560,14 @@ class ZmqSync:
             idle_check_s=self.idle_check_s,
             retry_max_s=self.retry_max_s,
         )
-        self._states[replica_id] = state
-        self._tasks[replica_id] = asyncio.create_task(follower.run(), name=f"zmq-sync:{replica_id}")
-        return state
+        return self._followers.start(replica_id, state, follower.run(), "zmq-sync")
 
     def stop(self, replica_id: str) -> None:
-        """Stop following a replica; its follower touches the index no more once this returns."""
-        self._states.pop(replica_id, None)
-        task = self._tasks.pop(replica_id, None)
-        if task is not None:
-            task.cancel()
-            self._stopping.add(task)
-            task.add_done_callback(self._stopping.discard)
+        """Stop following a replica: it may be dropped from the index once this returns."""
+        self._followers.stop(replica_id)
 
     async def close(self) -> None:
-        for replica_id in list(self._tasks):
-            self.stop(replica_id)
-        await asyncio.gather(*self._stopping, return_exceptions=True)
+        await self._followers.close()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None

@@ -90,20 +90,6 @@ def _release(engine: Engine, reservation: Reservation | None) -> None:
         engine.block_manager.release(reservation)
 
 
-def _reserving(prompt: list[int]) -> Callable[[Engine], tuple[Reservation | None, bool]]:
-    """Reserve for `prompt` on the engine thread; also whether the pool could ever hold it."""
-
-    def reserve(engine: Engine) -> tuple[Reservation | None, bool]:
-        bm = engine.block_manager
-        return bm.reserve(prompt), len(bm.prompt_hashes(prompt)) <= bm.num_blocks
-
-    return reserve
-
-
-def _release_taken(engine: Engine, taken: tuple[Reservation | None, bool]) -> None:
-    _release(engine, taken[0])
-
-
 @dataclass(slots=True)
 class Puller:
     """The decode side: the transfer port it receives on, the HTTP client it asks prefill workers with."""
@@ -112,6 +98,8 @@ class Puller:
     transfer: TransferServer
     session: aiohttp.ClientSession
     block_size: int
+    # The KV pool's size: a prompt with more reusable blocks can never be received.
+    num_blocks: int
     # The host prefill workers push to: the one this worker's transfer port is reachable at.
     advertise_host: str
     timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
@@ -169,11 +157,15 @@ class Puller:
         """Room for the prompt's blocks, waiting up to `room_wait_s` for running sequences to free
         some: computing a long prompt here instead would stall every decode in the batch, which is
         what disaggregation is for avoiding. None at once for a prompt the pool could never hold."""
+        if (len(prompt) - 1) // self.block_size > self.num_blocks:
+            return None
         deadline = time.monotonic() + self.room_wait_s
         async with self._room:
             while True:
-                reservation, fits = await self.front.call(_reserving(prompt), undo=_release_taken)
-                if reservation is not None or not fits or time.monotonic() >= deadline:
+                reservation = await self.front.call(
+                    lambda engine: engine.block_manager.reserve(prompt), undo=_release
+                )
+                if reservation is not None or time.monotonic() >= deadline:
                     return reservation
                 await asyncio.sleep(ROOM_POLL_S)
 

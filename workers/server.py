@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -52,8 +52,7 @@ from workers.disaggregation import (
 )
 from workers.engine.engine import Engine, PromptTooLong, RequestOutput
 from workers.engine.llm import AsyncLLM
-from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import SchedulerStats, UnschedulableSequence
+from workers.engine.scheduler import UnschedulableSequence
 from workers.kv_events import EventsGone, KVEventLog
 from workers.kv_transfer import KVStore, NoKV, TransferServer
 from workers.metrics import WorkerMetrics
@@ -68,27 +67,6 @@ DEFAULT_MAX_WAITING = 256
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 MAX_EVENTS_TIMEOUT_S = 60.0
 DEFAULT_EVENTS_LIMIT = 1024
-T = TypeVar("T")
-
-
-class EngineFront(Protocol):
-    """What the server needs from an engine: AsyncLLM, or anything shaped like it."""
-
-    def generate(
-        self,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        n: int = 1,
-        prelude: Callable[[Engine], None] | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
-
-    async def call(self, fn: Callable[[Engine], T], undo: Callable[[Engine, T], None] | None = None) -> T: ...
-
-    def post(self, fn: Callable[[Engine], object]) -> None: ...
-
-    async def stats(self) -> SchedulerStats: ...
-
-    def shutdown(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,14 +93,15 @@ class WorkerInfo:
 
 @dataclass(slots=True)
 class Worker:
-    front: EngineFront
+    # The engine loop in its thread (the model's, or the simulated engine's).
+    front: AsyncLLM
     # None for an engine without one (the simulated engine): prompts must then come as token ids.
     tokenizer: Tokenizer | None
     info: WorkerInfo
     events: KVEventLog
-    # Requests accepted but not yet generating; one more is refused with 429.
     # Where the engine's KV blocks are read and written as bytes, to move them between workers.
     store: KVStore = field(default_factory=NoKV)
+    # Requests accepted but not yet generating; one more is refused with 429.
     max_waiting: int = DEFAULT_MAX_WAITING
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # The decode side of disaggregation: the TCP port prefill workers push KV to (0: any free one),
@@ -544,10 +523,9 @@ async def metrics(request: web.Request) -> web.Response:
     rt = request.app[RUNTIME]
     rt.feed.flush()
     rt.metrics.set_load(await rt.worker.front.stats(), rt.worker.events.num_cached)
-    # A MoE model's routing counts (the simulated engine's runner has no model).
-    model = getattr(rt.worker.front.engine.runner, "model", None)
-    if getattr(model, "routing", None) is not None:
-        rt.metrics.moe.set(rt.metrics.model, model.routing, model.shard.size)
+    moe = rt.worker.front.engine.moe_routing
+    if moe is not None:
+        rt.metrics.moe.set(rt.metrics.model, *moe)
     return web.Response(body=rt.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
@@ -690,6 +668,7 @@ async def _transfers(app: web.Application) -> AsyncIterator[None]:
             server,
             session,
             worker.info.block_size,
+            worker.info.num_blocks,
             worker.transfer_host,
             worker.transfer_timeout_s,
             worker.room_wait_s,

@@ -26,6 +26,7 @@ from workers.engine.sequence import FinishReason, Sequence
 
 if TYPE_CHECKING:
     from workers.engine.loader import LoadedModel
+    from workers.engine.model.moe import RoutingCounts
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,10 @@ class Engine:
     """One engine loop over a scheduler and a runner; this constructor runs a loaded model, and the
     simulated engine (workers.sim) gives the same loop a cost-model runner instead."""
 
+    # A mixture-of-experts model's routed-token counts and its expert-parallel ranks, for /metrics
+    # (None: a dense model, or the simulated engine).
+    moe_routing: tuple[RoutingCounts, int] | None = None
+
     def __init__(
         self,
         loaded: LoadedModel,
@@ -153,6 +158,8 @@ class Engine:
             generator=generator,
         )
         self.clock = clock
+        if loaded.model.routing is not None:
+            self.moe_routing = (loaded.model.routing, loaded.model.shard.size)
         self._attach(loaded.name, loaded.tokenizer, loaded.config.max_context_len, scheduler, runner, clock)
 
     def _attach(
