@@ -254,10 +254,17 @@ def cached_prefix_ttft(
 
 
 def decode_step_ms(
-    loaded: LoadedModel, backend: str, batch: int, context: int, steps: int, block_size: int = 16
+    loaded: LoadedModel,
+    backend: str,
+    batch: int,
+    context: int,
+    steps: int,
+    block_size: int = 16,
+    cuda_graphs: bool | None = None,
 ) -> float:
     """Median milliseconds of an engine step in which `batch` sequences of `context` tokens each decode
-    one token: the whole step (planning, forward, sampling), as a client's inter-token gap sees it."""
+    one token: the whole step (planning, forward, sampling), as a client's inter-token gap sees it.
+    cuda_graphs as EngineConfig's."""
     per_seq = -(-(context + steps + 2) // block_size)
     config = EngineConfig(
         block_size=block_size,
@@ -265,6 +272,7 @@ def decode_step_ms(
         max_num_seqs=batch,
         max_num_batched_tokens=8192,
         backend=backend,
+        cuda_graphs=cuda_graphs,
     )
     engine = Engine(loaded, config)
     rng = random.Random(11)

@@ -109,6 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="attention: auto picks flash-attn, else Triton on CUDA, else SDPA (the log and /health say why)",
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="decode steps replayed from CUDA graphs: auto where they can be captured (CUDA, Triton "
+        "attention, a dense model), on to insist, off for eager steps (the log and /health say which)",
+    )
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda, cuda:1, ...")
     parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
     parser.add_argument(
@@ -191,6 +198,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         backend=args.backend,
+        cuda_graphs={"auto": None, "on": True, "off": False}[args.cuda_graphs],
         num_threads=args.threads,
         **memory,
     )
@@ -225,17 +233,19 @@ def sim_engine(args: argparse.Namespace, events: KVEventLog) -> SimEngine:
 
 def build_engine(args: argparse.Namespace, events: KVEventLog) -> tuple[Engine | SimEngine, str, str]:
     """The engine the flags describe, wired to `events`, and its attention backend's name and why it
-    is the one, for the log and /health."""
+    is the one (and whether decode steps replay CUDA graphs), for the log and /health."""
     if args.sim:
         return sim_engine(args, events), SIM_BACKEND, SIM_BACKEND_REASON
     if args.expert_parallel > 1:
         engine = _expert_parallel_engine(args, events)
-        return engine, engine.runner.attention.name, engine.runner.attention_reason
-    from workers.engine.engine import Engine
-    from workers.engine.llm import load
+    else:
+        from workers.engine.engine import Engine
+        from workers.engine.llm import load
 
-    engine = Engine(load(args.model, device=_device(args.device)), engine_config(args), **events.callbacks())
-    return engine, engine.runner.attention.name, engine.runner.attention_reason
+        model = load(args.model, device=_device(args.device))
+        engine = Engine(model, engine_config(args), **events.callbacks())
+    runner = engine.runner
+    return engine, runner.attention.name, f"{runner.attention_reason}; {runner.graphs_reason}"
 
 
 def _expert_parallel_engine(args: argparse.Namespace, events: KVEventLog) -> Engine:

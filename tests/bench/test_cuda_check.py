@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.cuda_check import FOLDER_FILES
+from bench.cuda_check import FOLDER_FILES, shape_folder
 from gateway.cli import main
 from protocol.models import default_gguf_path
 from tests.workers.conftest import tiny_llama_config
@@ -39,18 +39,34 @@ def test_the_whole_check_runs_and_matches_hf(tmp_path: Path) -> None:
     argv += ["--decode-steps", "2", "--json", str(out)]
     assert main(argv) == 0
     payload = json.loads(out.read_text())
-    assert payload["backend"] == "torch_sdpa"
-    check = payload["greedy_match_fp32"]
+    [(name, result)] = payload["shapes"].items()
+    assert name == "tiny-shape" and result["backend"] == "torch_sdpa"
+    check = result["greedy_match_fp32"]
     assert check["matched"] == check["prompts"] == 8
-    speed = payload["throughput_bf16"]
+    speed = result["throughput_bf16"]
     assert speed["engine_out_tok_s"] > 0 and speed["hf_generate_out_tok_s"] > 0
     assert speed["engine_steps"] >= speed["output"]  # one step per output token at least
-    prefix = payload["prefix_ttft_bf16"]
+    prefix = result["prefix_ttft_bf16"]
     assert prefix["cached_tokens"] == 240 and 0 < prefix["cached_s"] < prefix["cold_s"]
-    decode = payload["decode_step_ms_bf16"]
+    decode = result["decode_step_ms_bf16"]
     assert decode["context"] == 20
     # Only SDPA runs natively on the CPU; each batch size has its time.
     assert list(decode["backends"]) == ["torch_sdpa"]
     assert set(decode["backends"]["torch_sdpa"]) == {"1", "3"}
     assert all(ms > 0 for ms in decode["backends"]["torch_sdpa"].values())
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_the_llama_1b_shape_is_llama_32_1b(tmp_path: Path) -> None:
+    """The 1B shape's folder: Llama-3.2-1B's config as the engine reads it, SmolLM2's tokenizer."""
+    from workers.engine.model import ModelConfig
+
+    smollm2 = convert_gguf(default_gguf_path())
+    folder = shape_folder("llama-3.2-1b", smollm2, tmp_path / "shape")
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (16, 2048, 32, 8)
+    assert (config.vocab_size, config.head_dim, config.tie_word_embeddings) == (128256, 64, True)
+    assert (folder / "tokenizer.json").is_file()
+    assert shape_folder("smollm2-135m", smollm2, tmp_path / "unused") == smollm2
+    with pytest.raises(SystemExit, match="unknown shape 'gpt-9'"):
+        shape_folder("gpt-9", smollm2, tmp_path / "x")

@@ -49,7 +49,10 @@ def test_flags_map_to_the_engine_config() -> None:
     )
     config = engine_config(args)
     assert (config.block_size, config.num_blocks, config.kv_memory_bytes) == (32, None, 2**26)
-    assert (config.max_num_seqs, config.backend) == (8, "torch_sdpa")
+    assert (config.max_num_seqs, config.backend, config.cuda_graphs) == (8, "torch_sdpa", None)
+    off = engine_config(build_parser().parse_args(["worker", "--cuda-graphs", "off"]))
+    on = engine_config(build_parser().parse_args(["worker", "--cuda-graphs", "on"]))
+    assert (off.cuda_graphs, on.cuda_graphs) == (False, True)
     assert (args.host, args.max_waiting) == ("127.0.0.1", 256)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["worker", "--num-blocks", "10", "--kv-memory", "1G"])
@@ -94,6 +97,11 @@ def test_the_worker_process_serves_and_exits_cleanly(tiny, tmp_path: Path) -> No
                 assert time.monotonic() < deadline, "the worker did not come up"
                 time.sleep(0.2)
         assert (health["worker_id"], health["model"], health["num_blocks"]) == ("w1", "tiny-served", 64)
+        # Why its decode steps run eager here, after why its attention is SDPA.
+        assert health["backend_reason"].endswith(
+            "; decode runs eager: CUDA graphs need a CUDA device, and the model is on cpu; decode graphs "
+            "are captured over the Triton kernels, and attention is torch_sdpa"
+        )
         done = httpx.post(f"{url}/v1/completions", json={"prompt": "hi there", "max_tokens": 3}, timeout=30)
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] >= 1
     finally:

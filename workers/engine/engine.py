@@ -41,6 +41,8 @@ class EngineConfig:
     max_prefill_chunk: int | None = None
     # Attention backend: None/"auto" picks flash-attn, else Triton on CUDA, else SDPA (ModelRunner).
     backend: str | None = None
+    # Decode steps from CUDA graphs: None where they can be captured, True insists, False never.
+    cuda_graphs: bool | None = None
     num_threads: int | None = None
     # Sampling of unseeded requests; fixed here so that a test run is reproducible.
     seed: int = 0
@@ -156,6 +158,8 @@ class Engine:
             backend=config.backend,
             num_threads=config.num_threads,
             generator=generator,
+            cuda_graphs=config.cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
         )
         self.clock = clock
         if loaded.model.routing is not None:

@@ -11,8 +11,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from workers.engine.attention import AttentionBackend, AttentionMetadata, build_metadata, choose_backend
+from workers.engine import decode_graphs
+from workers.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    BackendUnavailableError,
+    TritonBackend,
+    build_metadata,
+    choose_backend,
+)
 from workers.engine.batch import ScheduledChunk, StepOutput, sample_slots
+from workers.engine.decode_graphs import DecodeGraphs
 from workers.engine.model import LlamaForCausalLM, ModelConfig
 from workers.engine.sampler import sample
 
@@ -37,7 +46,10 @@ class ModelRunner:
 
     backend: None or "auto" (flash-attn where it can run, else the Triton kernels on CUDA, else SDPA),
     or one of them by name (refused with the reason when it cannot run); `attention_reason` says why
-    the one chosen was. num_threads sets torch's CPU threads for the whole
+    the one chosen was. cuda_graphs: None replays decode steps from CUDA graphs wherever they can be
+    captured (decode_graphs.py), for batches of up to max_num_seqs; True insists (refused with the
+    reason where they cannot), False keeps every step eager; `graphs_reason` says which and why.
+    num_threads sets torch's CPU threads for the whole
     process; several workers sharing a host should split its cores between them rather than each
     take all (OpenMP threads that outnumber free cores slow every matmul down many times over).
     generator: the source of randomness for requests without a seed.
@@ -52,6 +64,8 @@ class ModelRunner:
         backend: str | None = None,
         num_threads: int | None = None,
         generator: torch.Generator | None = None,
+        cuda_graphs: bool | None = None,
+        max_num_seqs: int = 256,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks and block_size >= 1, got {num_blocks} and {block_size}")
@@ -79,6 +93,39 @@ class ModelRunner:
         # Called with every step about to run: expert parallelism (expert_parallel.py) sends it to the
         # other ranks, which must run the same forward for their experts' share of it.
         self.on_step: Callable[[Sequence[ScheduledChunk]], None] | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        self.graphs_reason = self._capture_decode_graphs(cuda_graphs, max_num_seqs)
+
+    def _capture_decode_graphs(self, wanted: bool | None, max_num_seqs: int) -> str:
+        reasons = decode_graphs.unavailable_reasons(self.model, self.attention, self.device)
+        if wanted is False:
+            return "decode runs eager: CUDA graphs were turned off"
+        if reasons and wanted:
+            raise BackendUnavailableError("decode CUDA graphs cannot be captured: " + "; ".join(reasons))
+        if reasons:
+            return "decode runs eager: " + "; ".join(reasons)
+        sizes = decode_graphs.batch_sizes_for(max_num_seqs)
+        self.decode_graphs = self.build_decode_graphs(sizes, capture=True)
+        return f"decode replays CUDA graphs captured at batch sizes {', '.join(map(str, sizes))}"
+
+    def build_decode_graphs(
+        self, batch_sizes: Sequence[int], *, capture: bool, max_context: int | None = None
+    ) -> DecodeGraphs:
+        """Decode graphs over this runner's model and cache, for contexts up to max_context (default:
+        what the model and the pool allow). capture=False: the padded steps alone, as the CPU tests run
+        them."""
+        if not isinstance(self.attention, TritonBackend):
+            raise BackendUnavailableError(f"decode graphs need the triton backend, not {self.attention.name}")
+        limit = min(self.config.max_context_len, self.num_blocks * self.block_size)
+        return DecodeGraphs(
+            self.model,
+            self.attention,
+            self._layer_caches,
+            block_size=self.block_size,
+            max_context=max_context or limit,
+            batch_sizes=batch_sizes,
+            capture=capture,
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -150,6 +197,8 @@ class ModelRunner:
                 raise ValueError(f"sequence {c.seq_id} would exceed the model's {max_len}-token context")
         if self.on_step is not None:
             self.on_step(chunks)
+        elif self.decode_graphs is not None and self.decode_graphs.covers(chunks):
+            return self.decode_graphs.run(chunks)
         meta = build_metadata(
             [c.start_pos for c in chunks],
             [len(c.token_ids) for c in chunks],

@@ -96,10 +96,19 @@ def _exponential_noise(
         fresh = torch.empty(len(unseeded), probs.shape[-1], device=probs.device)
         fresh.exponential_(generator=generator)
         noise[torch.tensor(unseeded, device=probs.device)] = fresh
-    for row, (p, n) in enumerate(zip(params, num_generated, strict=True)):
-        if p.seed is not None:
-            own = torch.Generator(device="cpu").manual_seed(step_seed(p.seed, n))
-            noise[row] = torch.empty(probs.shape[-1]).exponential_(generator=own).to(probs.device)
+    seeded = [
+        (row, step_seed(p.seed, n))
+        for row, (p, n) in enumerate(zip(params, num_generated, strict=True))
+        if p.seed is not None
+    ]
+    if seeded:
+        # Drawn on the host, where a seed gives the same numbers on every device, into one (pinned)
+        # buffer that reaches the device in one copy: no sync per seeded row.
+        on_host = torch.empty(len(seeded), probs.shape[-1], pin_memory=probs.device.type == "cuda")
+        for i, (_, seed) in enumerate(seeded):
+            on_host[i].exponential_(generator=torch.Generator(device="cpu").manual_seed(seed))
+        rows = torch.tensor([row for row, _ in seeded], device=probs.device)
+        noise[rows] = on_host.to(probs.device, non_blocking=True)
     # A zero draw would turn p / E into inf (or nan where p is 0) and pick a token by accident.
     return noise.clamp_min_(torch.finfo(torch.float32).tiny)
 

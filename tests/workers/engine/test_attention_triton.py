@@ -53,11 +53,17 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: 
 
 
 def run_step(
-    starts: list[int], q_lens: list[int], heads: int, kv_heads: int, seed: int
-) -> tuple[int, int] | None:
+    starts: list[int],
+    q_lens: list[int],
+    heads: int,
+    kv_heads: int,
+    seed: int,
+    static_context: int | None = None,
+) -> int | None:
     """One step of sequences that hold `starts` tokens of KV and run `q_lens` more, on blocks handed
     out in random order; checks the output and the whole cache, and returns the decodes' planned
-    (splits, keys per split), None if the step has no decodes."""
+    splits, None if the step has no decodes. static_context: plan the decodes as a captured decode
+    graph does (TritonBackend.prepare_decodes), for contexts of up to that many tokens."""
     g = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, DIM, generator=g)
     v_cache = torch.randn(NUM_BLOCKS, BLOCK_SIZE, kv_heads, DIM, generator=g)
@@ -83,7 +89,14 @@ def run_step(
     v = torch.cat([fv[s:] for fv, s in zip(full_v, starts, strict=True)])
     k_cache, v_cache = k_cache.to(DEVICE), v_cache.to(DEVICE)
 
-    step = TritonBackend(DEVICE, **TILES).prepare(meta, DIM**-0.5)
+    backend = TritonBackend(DEVICE, **TILES)
+    if static_context is None:
+        step = backend.prepare(meta, DIM**-0.5)
+    else:
+        items = torch.tensor([[i, i, s, 1] for i, s in enumerate(starts)], dtype=torch.int32, device=DEVICE)
+        step = backend.prepare_decodes(
+            items, meta.slot_mapping, meta.block_tables, BLOCK_SIZE, static_context, DIM**-0.5
+        )
     out = step(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), k_cache, v_cache).cpu()
 
     assert torch.equal(k_cache.cpu(), expected_k)
@@ -93,7 +106,7 @@ def run_step(
         expected = reference(q[row : row + q_len], full_k[i], full_v[i], start)
         torch.testing.assert_close(out[row : row + q_len], expected, atol=ATOL, rtol=RTOL)
         row += q_len
-    return None if step.decodes is None else (step.decodes.num_splits, step.decodes.split_len)
+    return None if step.decodes is None else step.decodes.num_splits
 
 
 LAYOUTS = {"MHA": (4, 4), "GQA-4:1": (8, 2), "GQA-3:1": (6, 2), "MQA": (4, 1)}
@@ -107,8 +120,9 @@ STEPS = {
     # Everything in one step, with a context (70) long enough to hit the split cap.
     "mixed": ([10, 0, 3, 69, 0, 8], [1, 6, 20, 1, 1, 5]),
 }
-# Decode splits each step must plan: 41 keys over splits of 16; 70 keys capped at 4 splits of 32.
-EXPECTED_SPLITS = {"prefill": None, "cached-prefix": None, "decodes": (3, 16), "mixed": (3, 32)}
+# Decode splits each step must plan: 41 keys in 3 splits of 16; 70 keys capped at 4 splits, widened to
+# whole key tiles of 32, which 3 splits cover. Each shorter context is cut in as many splits of its own.
+EXPECTED_SPLITS = {"prefill": None, "cached-prefix": None, "decodes": 3, "mixed": 3}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -118,6 +132,15 @@ def test_triton_backend_matches_reference(case: str, layout: str) -> None:
     heads, kv_heads = LAYOUTS[layout]
     planned = run_step(starts, q_lens, heads, kv_heads, seed=sum(starts) * 31 + sum(q_lens) + heads)
     assert planned == EXPECTED_SPLITS[case]
+
+
+@pytest.mark.parametrize("layout", ["GQA-3:1", "MQA"])
+def test_decodes_planned_for_any_context_match_reference(layout: str) -> None:
+    """A decode graph's launch: planned for 96-token contexts (3 splits of 32), run on contexts of 1 to
+    70, so that short ones leave whole splits empty."""
+    heads, kv_heads = LAYOUTS[layout]
+    planned = run_step([0, 6, 39, 69], [1, 1, 1, 1], heads, kv_heads, seed=heads, static_context=96)
+    assert planned == 3
 
 
 def test_engine_on_triton_matches_sdpa(tiny) -> None:

@@ -48,7 +48,8 @@ def _run(folder: Path, size: int) -> tuple[list[list[int]], torch.Tensor, list[i
         logits = group.engine.runner.compute_logits([chunk])  # type: ignore[attr-defined]
     finally:
         group.close()
-    assert all(p.exitcode == 0 for p in group.processes)
+    exit_codes = [p.exitcode for p in group.processes]
+    assert exit_codes == [0] * (size - 1), exit_codes
     return tokens, logits, group.times.rows_computed
 
 

@@ -11,8 +11,11 @@ and MQA read each K/V tile once for the whole group, and the tile's matmuls stay
 A chunk's keys include its own tokens, which the store kernel wrote first, so a prefill over a cached
 prefix is the same loop as a fresh one: the mask is causal over [cached prefix + new tokens].
 
-Decodes (BLOCK_Q = 1) of long contexts split their keys over a third grid axis (SPLIT): each split
-writes its normalised partial output and log-sum-exp, and the merge kernel combines them. Softmax
+Decodes (BLOCK_Q = 1) of long contexts split their keys over a third grid axis (SPLIT): each decode
+cuts its own context into as many equal splits, whole key tiles each, so that a short context beside
+a long one is not left to one program, and the launch depends only on the number of splits (which is
+what lets a captured CUDA graph serve any contexts, decode_graphs.py). Each split writes its
+normalised partial output and log-sum-exp, and the merge kernel combines them. Softmax
 runs in base 2 (exp2 is one instruction), so the log-sum-exps are base 2 as well.
 
 Offsets into the cache are int64: a layer's cache can exceed 2**31 elements on a large GPU.
@@ -45,12 +48,14 @@ def store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program per token: copy its K and V [kv_heads, head_dim] to the cache slot it was given."""
+    """One program per token: copy its K and V [kv_heads, head_dim] to the cache slot it was given.
+    Slot -1 stores nothing: the pad rows of a replayed decode graph (decode_graphs.py) have it."""
     tok = tl.program_id(0)
     slot = tl.load(slots_ptr + tok).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
-    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+    stored_heads = tl.where(slot >= 0, NUM_KV_HEADS, 0)
+    mask = (heads < stored_heads) & (dims < HEAD_DIM)
     dst = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_off + heads * stride_c_head
     k = tl.load(k_ptr + tok * stride_k_tok + heads * stride_k_head + dims, mask=mask)
     v = tl.load(v_ptr + tok * stride_v_tok + heads * stride_v_head + dims, mask=mask)
@@ -68,7 +73,6 @@ def paged_attention_kernel(
     out_ptr,
     lse_ptr,
     qk_scale,
-    split_len,
     stride_q_tok,
     stride_q_head,
     stride_c_block,
@@ -113,8 +117,10 @@ def paged_attention_kernel(
     q_pos = pos0 + tok
 
     # The item's last token sees every key up to its own position; this split reads [start, end).
+    context = pos0 + count
+    split_len = tl.cdiv(tl.cdiv(context, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = split * split_len
-    end = tl.minimum(start + split_len, pos0 + count)
+    end = tl.minimum(start + split_len, context)
     table = block_tables_ptr + seq * stride_table
     head_offset = kv_head * stride_c_head
 

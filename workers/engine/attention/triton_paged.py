@@ -64,7 +64,6 @@ class _Launch:
     items: torch.Tensor
     block_q: int
     num_splits: int
-    split_len: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +140,6 @@ class _TritonStep:
             target,
             lse,
             self.scale * LOG2_E,
-            launch.split_len,
             *q.stride()[:2],
             *k_cache.stride()[:3],
             launch.items.stride(0),
@@ -220,14 +218,10 @@ class TritonBackend:
         items = torch.tensor(chunk_items + decode_items, dtype=torch.int32).to(device, non_blocking=True)
         chunks = decodes = None
         if chunk_items:
-            chunks = _Launch(items[: len(chunk_items)], self.query_tile, 1, max(meta.context_lens))
+            chunks = _Launch(items[: len(chunk_items)], self.query_tile, 1)
         if decode_items:
             longest = max(pos + 1 for _, _, pos, _ in decode_items)
-            num_splits = min(self.max_splits, -(-longest // self.split_len))
-            # Equal splits, whole key tiles each, so that no split is left with a sliver.
-            per_split = -(-longest // num_splits)
-            split_len = -(-per_split // self.key_tile) * self.key_tile
-            decodes = _Launch(items[len(chunk_items) :], 1, -(-longest // split_len), split_len)
+            decodes = self._decode_launch(items[len(chunk_items) :], longest)
         return _TritonStep(
             self._kernels,
             meta.slot_mapping,
@@ -238,3 +232,29 @@ class TritonBackend:
             chunks,
             decodes,
         )
+
+    def prepare_decodes(
+        self,
+        items: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        block_size: int,
+        max_context: int,
+        scale: float,
+    ) -> _TritonStep:
+        """A step of decodes only, over buffers the caller fills before every launch (decode_graphs.py):
+        items [n, 4] as prepare() lays them out, one token each; the launch is planned for `max_context`
+        keys, whatever the contexts are, so that it never changes with them. A split that starts past a
+        sequence's context reads nothing and weighs nothing in the merge."""
+        launch = self._decode_launch(items, max_context)
+        return _TritonStep(
+            self._kernels, slot_mapping, block_tables, block_size, scale, self.key_tile, None, launch
+        )
+
+    def _decode_launch(self, items: torch.Tensor, longest: int) -> _Launch:
+        """As many splits as the longest context needs at split_len keys each, up to max_splits; fewer
+        where whole key tiles per split leave the last ones empty even for the longest."""
+        num_splits = min(self.max_splits, -(-longest // self.split_len))
+        per_split = -(-longest // num_splits)
+        split_len = -(-per_split // self.key_tile) * self.key_tile
+        return _Launch(items, 1, -(-longest // split_len))
