@@ -244,6 +244,10 @@ def run(args: argparse.Namespace) -> dict:
                     {"cold": prefix["cold_s"] * 1e3, "prefix cached": prefix["cached_s"] * 1e3},
                 )
             )
+            batch = max(args.decode_batches)
+            decode = shape["decode_step_ms_bf16"]["backends"]
+            steps = {b: ms[batch] for b, ms in decode.items() if isinstance(ms, dict)}
+            panels.append((f"{name}: decode step ms, batch {batch}", steps))
         bar_panels(Path(args.json).with_suffix(".png"), f"the engine on {payload['device']}", panels)
     return payload
 
