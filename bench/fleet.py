@@ -77,6 +77,20 @@ class FleetResult:
     completed: int
     rejected: int
 
+    @classmethod
+    def mean(cls, results: Sequence[FleetResult]) -> FleetResult:
+        """Runs of one (policy, mode) over several seeds: each measure's mean, the counts' sums."""
+        return cls(
+            hit_rate=statistics.fmean(r.hit_rate for r in results),
+            ttft_mean_s=statistics.fmean(r.ttft_mean_s for r in results),
+            ttft_p50_s=statistics.fmean(r.ttft_p50_s for r in results),
+            ttft_p99_s=statistics.fmean(r.ttft_p99_s for r in results),
+            throughput_tok_s=statistics.fmean(r.throughput_tok_s for r in results),
+            imbalance=statistics.fmean(r.imbalance for r in results),
+            completed=sum(r.completed for r in results),
+            rejected=sum(r.rejected for r in results),
+        )
+
     def summary(self) -> dict[str, float]:
         return {
             "hit_rate": self.hit_rate,
@@ -279,6 +293,10 @@ def workload_of(args: argparse.Namespace, profile: Profile) -> tuple[str, list[S
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
+    if args.seeds > 1 and (args.ep is not None or args.pd or args.trace is not None):
+        raise ValueError("--seeds varies a generated workload under --policies; not a trace, --pd or --ep")
     if args.ep is not None:
         return run_ep(args)
     profile = fleet_profile(args.profile, args.block_size, args.num_blocks, args.max_batched_tokens)
@@ -287,13 +305,23 @@ def run(args: argparse.Namespace) -> dict:
     workload, sessions, params = workload_of(args, profile)
     if args.pd:
         return pd_bench.run(args, profile, workload, sessions, params)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    workloads = [
+        sessions,
+        *(workload_of(argparse.Namespace(**{**vars(args), "seed": s}), profile)[1] for s in seeds[1:]),
+    ]
     requests = total_turns(sessions)
     jobs = jobs_of(args.policies or list(POLICY_NAMES), args.modes)
     calls = [
-        functools.partial(simulate, sessions, RoutingConfig(policy=policy), profile, args.replicas, mode)
+        functools.partial(simulate, w, RoutingConfig(policy=policy), profile, args.replicas, mode)
         for policy, mode in jobs
+        for w in workloads
     ]
-    outcomes = dict(zip(jobs, run_jobs(calls, requests * len(jobs), args.workers), strict=True))
+    total = sum(total_turns(w) for w in workloads) * len(jobs)
+    runs = run_jobs(calls, total, args.workers)
+    outcomes = {
+        job: FleetResult.mean(runs[i * len(seeds) : (i + 1) * len(seeds)]) for i, job in enumerate(jobs)
+    }
     results: dict[str, dict[str, float]] = {}
     rows = []
     for (name, mode), result in outcomes.items():
@@ -310,12 +338,15 @@ def run(args: argparse.Namespace) -> dict:
                 result.imbalance,
             ]
         )
-    pooled = pooled_hit_rate(sessions, profile, args.replicas)
+    pooled = statistics.fmean(pooled_hit_rate(w, profile, args.replicas) for w in workloads)
     rows.append(["pooled bound", pooled, "", "", "", "", ""])
     title = (
         f"fleet simulation: {workload}, {requests} requests, {args.replicas} x {profile.name} "
         f"({profile.num_blocks} blocks of {profile.block_size}), speed {args.speed:g}"
     )
+    if len(seeds) > 1:
+        title += f", means of seeds {seeds[0]}-{seeds[-1]}"
+
     print(
         format_table(
             title, ["policy", "hit rate", "TTFT mean s", "p50 s", "p99 s", "out tok/s", "imbalance"], rows
@@ -332,6 +363,7 @@ def run(args: argparse.Namespace) -> dict:
         "num_blocks": profile.num_blocks,
         "speed": args.speed,
         "seed": args.seed,
+        "seeds": seeds,
         "policies": results,
         "pooled_bound": {"hit_rate": pooled},
     }
@@ -414,6 +446,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "grouped, longmix: prompts due later are left out",
     )
     parser.add_argument("--seed", type=int, default=0, help="of the generated workloads")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="a generated workload from N seeds (--seed and on), every measure their mean",
+    )
     parser.add_argument("--policies", nargs="*", choices=POLICY_NAMES, default=None)
     parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
     parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")

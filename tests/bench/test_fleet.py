@@ -128,3 +128,24 @@ def test_grouped_workload_prefers_the_cache_policies_over_round_robin() -> None:
         aware = simulate(sessions, RoutingConfig(policy=policy), small, 4)
         assert aware.completed == len(sessions)
         assert aware.hit_rate > rr.hit_rate + 0.1, policy
+
+
+def test_seeds_average_the_runs_of_each_seed(tmp_path: Path) -> None:
+    """--seeds 3 reports, per policy, the mean of the three one-seed runs, each measured alone."""
+    argv = ["bench", "fleet", "--workload", "grouped", "--rate", "20", "--duration", "2", "--replicas", "2"]
+    argv += ["--policies", "prefix_aware", "--modes", "precise", "--workers", "1"]
+    single = []
+    for seed in (4, 5, 6):
+        out = tmp_path / f"seed{seed}.json"
+        main([*argv, "--seed", str(seed), "--json", str(out)])
+        single.append(json.loads(out.read_text())["policies"]["prefix_aware"])
+    out = tmp_path / "seeds.json"
+    main([*argv, "--seed", "4", "--seeds", "3", "--json", str(out)])
+    payload = json.loads(out.read_text())
+    assert payload["seeds"] == [4, 5, 6]
+    averaged = payload["policies"]["prefix_aware"]
+    for key in ("hit_rate", "ttft_mean_s", "ttft_p99_s", "imbalance"):
+        assert averaged[key] == pytest.approx(sum(s[key] for s in single) / 3)
+    assert len({s["ttft_mean_s"] for s in single}) == 3  # the seeds are different workloads
+    with pytest.raises(ValueError, match="not a trace, --pd or --ep"):
+        main([*argv, "--seeds", "2", "--pd", "1:1"])

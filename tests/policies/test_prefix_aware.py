@@ -106,3 +106,30 @@ def test_a_small_shared_prefix_does_not_attract_new_sessions() -> None:
     ]
     assert PrefixAware().choose(request, replicas)[0] == "cold"
     assert PrefixAware(PrefixAwareConfig(min_match_ratio=0.0)).choose(request, replicas)[0] == "holder"
+
+
+def test_new_prefixes_spread_over_equal_replicas() -> None:
+    """Four new prefixes on four idle replicas go to four replicas, although one has the fewest
+    requests running: each draws its followers to where it lands. A request that continues a prefix
+    still goes to its holder."""
+    replicas = [ReplicaView(id="a"), *(ReplicaView(id=r, running=3) for r in "bcd")]
+    policy = PrefixAware()
+    first = [policy.choose(RouteRequest(prompt_tokens=800, prefix_key=k), replicas)[0] for k in range(4)]
+    assert sorted(first) == ["a", "b", "c", "d"]
+    assert first[0] == "a"  # before any count, the fewest requests running still decides
+    holder = [replace(r, matched_blocks=50 if r.id == "b" else 0) for r in replicas]
+    assert policy.choose(RouteRequest(prompt_tokens=800, prefix_key=9), holder)[0] == "b"
+
+
+def test_new_prefixes_pay_no_balance_penalty() -> None:
+    """Replica a took the last 20 requests (a session's turns): a continuing request elsewhere would
+    be pushed off it, but a new prefix still goes where it starts soonest."""
+    policy = PrefixAware()
+    busy = [ReplicaView(id="a", matched_blocks=50), ReplicaView(id="b")]
+    for _ in range(20):
+        assert policy.choose(RouteRequest(prompt_tokens=800), busy)[0] == "a"
+    faster = [ReplicaView(id="a"), ReplicaView(id="b", queued_prefill_tokens=500)]
+    assert policy.choose(RouteRequest(prompt_tokens=800, prefix_key=1), faster)[0] == "a"
+    # The same queues, as a continuing request on neither replica's prefix: a's excess now counts.
+    matched = [replace(r, matched_blocks=40) for r in faster]
+    assert policy.choose(RouteRequest(prompt_tokens=800, prefix_key=2), matched)[0] == "b"
