@@ -139,9 +139,14 @@ def start_fleet(args: argparse.Namespace, progress: Progress) -> Iterator[Fleet]
     if done.returncode != 0:
         raise SystemExit(f"prefixgate up: preparing the model failed (status {done.returncode})")
     progress.update(step, description="model ready", completed=1, total=1)
+    # Each worker in a session of its own: a terminal's Ctrl-C reaches this process alone, which stops
+    # the gateway first and then each worker once (a second SIGINT during a worker's own shutdown
+    # would interrupt its exit handlers, and workers gone before the gateway make it log failures).
     fleet = Fleet(
         [
-            subprocess.Popen(_worker_command(args, i, sock), pass_fds=(sock.fileno(),))
+            subprocess.Popen(
+                _worker_command(args, i, sock), pass_fds=(sock.fileno(),), start_new_session=True
+            )
             for i, sock in enumerate(socks)
         ],
         [f"http://127.0.0.1:{_bound_port(sock)}" for sock in socks],
@@ -224,6 +229,12 @@ async def _serve(
     await runner.setup()
     await web.SockSite(runner, sock).start()
     base = f"http://{args.host}:{_bound_port(sock)}"
+    # Installed before anything is shown, so that no Ctrl-C falls between the banner and the handler
+    # (asyncio's own would cancel the task mid-await); one during the first requests stops after them.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     try:
         step = progress.add_task("gateway: discovering replicas", total=None)
         gw = app[GATEWAY]
@@ -235,10 +246,6 @@ async def _serve(
         if args.once:
             return shown
         console.print(f"\nServing at {base}/v1 (OpenAI API). Ctrl-C stops the fleet.")
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         return shown
     finally:

@@ -3,6 +3,7 @@ dropping a request in flight) and `prefixgate up`, the local fleet of SmolLM2 wo
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -118,6 +119,34 @@ def test_up_starts_the_local_fleet_and_shows_a_cache_hit() -> None:
     first, second = (line for line in out.splitlines() if "served by" in line)
     assert first.split("served by ")[1].split(",")[0] == second.split("served by ")[1].split(",")[0]
     assert " 0 of " in first and " 0 of " not in second
+
+
+def test_ctrl_c_stops_the_fleet_cleanly() -> None:
+    """Ctrl-C as a terminal sends it, to the whole foreground process group: `up` stops the gateway,
+    then each worker once; nothing prints a traceback or a failed replica, and the workers' ports close."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "up", "--workers", "1", "--port", "0", "--worker-port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a shell gives a foreground job
+    )
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "Ctrl-C stops the fleet" in line:
+            break
+    else:
+        pytest.fail("".join(lines))
+    os.killpg(proc.pid, signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    out = "".join(lines) + rest
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "failed" not in out, out
+    [worker_url] = [w.split("workers up: ")[1].split()[0] for w in lines if "workers up: " in w]
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{worker_url}/health", timeout=2)
 
 
 def test_up_with_a_prefill_worker_moves_the_prompt_to_the_decode_worker() -> None:
