@@ -35,7 +35,9 @@ would not reach the other ranks, so that role is refused with expert parallelism
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -157,12 +159,16 @@ def _follower(rank: int, size: int, port: int, folder: str, threads: int) -> Non
             step: list[object] = [None]
             dist.broadcast_object_list(step, src=0)
             if step[0] is None:
+                # Every rank has the word before any leaves (a broadcast may relay through peers).
+                dist.barrier()
                 break
             runner.compute_logits(step[0])  # type: ignore[arg-type]
     except RuntimeError:
-        # Rank 0 went away (its connection closed): there is no one left to serve.
-        return
-    dist.destroy_process_group()
+        pass  # rank 0 went away (its connection closed): there is no one left to serve
+    # Out without tearing the group down: gloo's teardown races the peers closing theirs and can abort
+    # the process (seen as exit status -6); the OS closes the sockets either way.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class ExpertParallelGroup:
@@ -211,6 +217,7 @@ class ExpertParallelGroup:
     def close(self) -> None:
         """Stop the other ranks; call it with no step running (the engine loop stopped)."""
         dist.broadcast_object_list([None], src=0)
+        dist.barrier()
         for process in self.processes:
             process.join(30)
         dist.destroy_process_group()
