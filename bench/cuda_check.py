@@ -36,13 +36,13 @@ from workers.engine.sampling_params import SamplingParams
 FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 CHECK_PROMPT_LENS = (5, 17, 33, 64, 100, 7, 48, 250)
 CHECK_NEW_TOKENS = 16
-# The backends whose decode steps are timed on a GPU, and whether their decode replays CUDA graphs;
-# on the CPU only SDPA runs natively.
-CUDA_BACKENDS = {
-    "torch_sdpa": None,
-    "triton": False,
-    "triton+cuda_graphs": True,
-    "flash_attn": None,
+# What decode steps are timed on a GPU, by name: the attention backend, and whether decode replays
+# CUDA graphs (EngineConfig.cuda_graphs); on the CPU only SDPA runs natively.
+CUDA_BACKENDS: dict[str, tuple[str, bool | None]] = {
+    "torch_sdpa": ("torch_sdpa", None),
+    "triton": ("triton", False),
+    "triton+cuda_graphs": ("triton", True),
+    "flash_attn": ("flash_attn", None),
 }
 # Llama-3.2-1B's published config (its HF config.json), for a random model of its shape.
 LLAMA_32_1B = {
@@ -151,8 +151,8 @@ def decode_steps(model: LoadedModel, device: str, args: argparse.Namespace) -> D
     names = list(CUDA_BACKENDS) if device.startswith("cuda") else ["torch_sdpa"]
     timings: DecodeTimings = {}
     for name in tqdm(names, desc="decode steps", leave=False):
-        block_size = FLASH_BLOCK_MULTIPLE if name == "flash_attn" else 16
-        backend, graphs = name.split("+")[0], CUDA_BACKENDS[name]
+        backend, graphs = CUDA_BACKENDS[name]
+        block_size = FLASH_BLOCK_MULTIPLE if backend == "flash_attn" else 16
         try:
             timings[name] = {
                 batch: decode_step_ms(

@@ -97,9 +97,9 @@ class ModelRunner:
         self.graphs_reason = self._capture_decode_graphs(cuda_graphs, max_num_seqs)
 
     def _capture_decode_graphs(self, wanted: bool | None, max_num_seqs: int) -> str:
-        reasons = decode_graphs.unavailable_reasons(self.model, self.attention, self.device)
         if wanted is False:
             return "decode runs eager: CUDA graphs were turned off"
+        reasons = decode_graphs.unavailable_reasons(self.model, self.attention, self.device)
         if reasons and wanted:
             raise BackendUnavailableError("decode CUDA graphs cannot be captured: " + "; ".join(reasons))
         if reasons:

@@ -35,6 +35,18 @@ def decode(seq_id: int, token: int, position: int, sample: bool = True) -> Sched
     return ScheduledChunk(seq_id, [token], position, table, sample, GREEDY)
 
 
+def shrinking_batch(engine: Engine, batch: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of five prompts asking for 2, 4, 6, 8 and 10 tokens: once all are prefilled, the
+    decode batch shrinks from 5 to 1 as they finish."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 4, 6, 8, 10)]
+    ids = [engine.add_request(p, s) for p, s in zip(batch, params, strict=True)]
+    out: dict[int, list[int]] = {i: [] for i in ids}
+    while engine.has_work():
+        for delta in engine.step():
+            out[delta.request_id] += delta.new_token_ids
+    return [out[i] for i in ids]
+
+
 def test_the_ladder_ends_at_the_first_size_that_holds_the_batch() -> None:
     assert batch_sizes_for(64) == (1, 2, 4, 8, 16, 32, 64)
     assert batch_sizes_for(100) == (1, 2, 4, 8, 16, 32, 64, 128)
@@ -65,13 +77,7 @@ def test_padded_decodes_give_eager_greedy_tokens(tiny) -> None:
                 return run_padded(chunks)
 
             runner.decode_graphs.run = counted  # type: ignore[method-assign]
-        lengths = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 4, 6, 8, 10)]
-        ids = [engine.add_request(p, s) for p, s in zip(batch, lengths, strict=True)]
-        out: dict[int, list[int]] = {i: [] for i in ids}
-        while engine.has_work():
-            for delta in engine.step():
-                out[delta.request_id] += delta.new_token_ids
-        tokens[graphs] = [out[i] for i in ids]
+        tokens[graphs] = shrinking_batch(engine, batch)
     assert tokens[True] == tokens[False]
     assert [len(t) for t in tokens[True]] == [2, 4, 6, 8, 10]
     # Every decode-only step went through the padded path, at every batch size from 5 down to 1.
@@ -179,11 +185,5 @@ def test_captured_graphs_give_eager_greedy_tokens_on_cuda(tiny) -> None:
         engine = Engine(on_gpu, config)
         assert isinstance(engine.runner, ModelRunner)
         assert (engine.runner.decode_graphs is not None) == graphs
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 4, 6, 8, 10)]
-        ids = [engine.add_request(p, s) for p, s in zip(batch, params, strict=True)]
-        out: dict[int, list[int]] = {i: [] for i in ids}
-        while engine.has_work():
-            for delta in engine.step():
-                out[delta.request_id] += delta.new_token_ids
-        tokens[graphs] = [out[i] for i in ids]
+        tokens[graphs] = shrinking_batch(engine, batch)
     assert tokens[True] == tokens[False]
