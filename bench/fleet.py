@@ -6,10 +6,12 @@ the simulator advances whichever comes first, the next due request or the replic
 starts soonest. A workload is sessions (bench.workloads): a session's later turn becomes due its
 think time after the previous turn's answer ends on the virtual clock, so agent sessions are closed
 loop here as over HTTP; a trace is sessions of one turn. The index is fed either by the replicas'
-KV events (precise mode) or by the routing decisions alone, with a TTL and each replica's capacity
-(approximate mode). With `--pd`, the same workload runs on splits of the fleet into prefill and
-decode replicas instead (bench.pd, bench.pd_bench); with `--ep`, an MoE model on the same GPUs in
-replicas of each expert-parallel group size (bench.fleet_ep).
+KV events (precise mode) or by the routing decisions alone, with a TTL, corrected by the cached
+tokens each request reports and bounded by a capacity learned from them (approximate mode, as the
+gateway in front of foreign backends, from a configured prior: `--capacity-priors`). With `--pd`,
+the same workload runs on splits of the fleet into prefill and decode replicas instead (bench.pd,
+bench.pd_bench); with `--ep`, an MoE model on the same GPUs in replicas of each expert-parallel
+group size (bench.fleet_ep).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import functools
 import heapq
 import itertools
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -45,6 +48,7 @@ from bench.workloads import (
 )
 from policies import POLICY_NAMES, RouteRequest, RoutingConfig, build_policy
 from radix import RadixIndex, block_hashes
+from radix.index import Predicted, capacity_prior
 from workers.engine.batch import StepOutput, sample_slots
 from workers.engine.sampling_params import SamplingParams
 from workers.sim.moe import Gate
@@ -56,14 +60,36 @@ INDEX_POLICIES = ("prefix_aware", "cache_threshold")
 WORKLOADS = ("agent", "grouped", "longmix")
 
 
+@dataclass(slots=True)
+class _Held:
+    """A request on a replica: when it arrived, which turn of which session it is, and in approximate
+    mode what the index predicted the replica held of it (checked against what it reuses) and the
+    index tick its blocks were recorded at."""
+
+    arrival: float
+    session: int
+    turn: int
+    predicted: Predicted | None = None
+    recorded_tick: int | None = None
+    started: bool = False
+
+
 class _FleetReplica(Replica):
     """A replica with the requests this simulator follows on it and the count it was sent."""
 
     def __init__(self, rid: str, profile: Profile, index: RadixIndex, precise: bool) -> None:
         super().__init__(rid, profile, index, precise)
-        # Sequence id -> (arrival time, session, turn) of the requests it holds.
-        self.requests: dict[int, tuple[float, int, int]] = {}
+        # Sequence id -> the requests it holds.
+        self.requests: dict[int, _Held] = {}
         self.served = 0
+
+    def pending_horizon(self) -> float:
+        """As the gateway's Replica.pending_horizon: blocks recorded by requests still waiting for
+        their first token may not be computed yet, and lacking them is no eviction."""
+        ticks = [
+            h.recorded_tick for h in self.requests.values() if not h.started and h.recorded_tick is not None
+        ]
+        return min(ticks, default=math.inf)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,15 +136,27 @@ def simulate(
     mode: str = "precise",
     prediction_ttl_s: float = 300.0,
     on_request_done: Callable[[], None] | None = None,
+    capacity_scale: float | None = 1.0,
 ) -> FleetResult:
+    """One workload through the policy onto `replicas` simulated replicas. In approximate mode the
+    index learns as the gateway does in front of foreign backends: each replica's configured capacity
+    is `capacity_scale` times its true pool (None: not configured), taken as a guess
+    (radix.index.capacity_prior), and corrected by the cached tokens each request reports at its
+    first token."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if capacity_scale is not None and capacity_scale <= 0:
+        raise ValueError(f"capacity_scale must be positive, got {capacity_scale}")
     policy = build_policy(routing)
     precise = mode == "precise"
     index = RadixIndex()
     fleet = [_FleetReplica(f"r{i}", profile, index, precise) for i in range(replicas)]
+    configured = None if capacity_scale is None else max(1, round(profile.num_blocks * capacity_scale))
     for r in fleet:
-        index.add_replica(r.id, capacity_blocks=None if precise else profile.num_blocks)
+        if precise:
+            index.add_replica(r.id)
+        else:
+            index.add_replica(r.id, capacity_blocks=capacity_prior(configured, guessed=True), learn=True)
     by_id = {r.id: r for r in fleet}
     rate = nominal_prefill_rate(profile)
     filler = next(t for t in range(profile.vocab_size) if t not in profile.eos_token_ids)
@@ -152,12 +190,17 @@ def simulate(
         now = r.clock.now()
         for seq in scheduler.update(chunks, outputs, now):
             produced += 1
+            held = r.requests[seq.seq_id]
             if seq.num_output_tokens == 1:
-                ttfts.append(now - r.requests[seq.seq_id][0])
+                held.started = True
+                ttfts.append(now - held.arrival)
                 cached_total += seq.num_cached_tokens
+                if held.predicted is not None:
+                    realised = seq.num_cached_tokens // profile.block_size
+                    index.correct(r.id, held.predicted, realised)
             if seq.is_finished:
-                _, session, turn = r.requests.pop(seq.seq_id)
-                answered(session, turn, now)
+                del r.requests[seq.seq_id]
+                answered(held.session, held.turn, now)
 
     while due or busy:
         if busy and (not due or busy[0][0] <= due[0][0]):
@@ -191,10 +234,12 @@ def simulate(
             rejected += 1
             answered(session, turn, now)
             continue
-        chosen.requests[rid] = (now, session, turn)
+        held = chosen.requests[rid] = _Held(now, session, turn)
         chosen.served += 1
         prompt_total += len(tokens)
         if not precise and hashes:
+            held.predicted = index.predicted(chosen.id, hashes, chosen.pending_horizon())
+            held.recorded_tick = index.tick_now(chosen.id)
             index.insert(chosen.id, hashes, expires_at=now + prediction_ttl_s)
         if idle:
             heapq.heappush(busy, (chosen.clock.now(), fleet.index(chosen)))
@@ -233,9 +278,46 @@ def pooled_hit_rate(sessions: Sequence[Session], profile: Profile, replicas: int
     return cached / max(total, 1)
 
 
-def jobs_of(policies: list[str], modes: list[str]) -> list[tuple[str, str]]:
-    """(policy, mode) pairs to simulate: approximate mode changes only what the index policies read."""
-    return [(p, m) for m in modes for p in policies if m == "precise" or p in INDEX_POLICIES]
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One (policy, mode) to simulate; in approximate mode, with the replicas' configured capacity as
+    a multiple of their true pool (None: not configured)."""
+
+    policy: str
+    mode: str
+    capacity_scale: float | None = None
+
+    @property
+    def key(self) -> str:
+        """Its name in the table and the JSON: the policy, then the mode unless precise, then the
+        capacity unless it is the true one."""
+        if self.mode == "precise":
+            return self.policy
+        name = f"{self.policy}_{self.mode}"
+        if self.capacity_scale is None:
+            return f"{name}_unset"
+        return name if self.capacity_scale == 1.0 else f"{name}_x{self.capacity_scale:g}"
+
+
+def jobs_of(
+    policies: list[str], modes: list[str], capacity_scales: Sequence[float | None] = (1.0,)
+) -> list[Job]:
+    """What to simulate: approximate mode changes only what the index policies read, so only they
+    run in it, once per configured capacity."""
+    jobs = [Job(p, "precise") for p in policies if "precise" in modes]
+    if "approximate" in modes:
+        jobs += [Job(p, "approximate", c) for c in capacity_scales for p in policies if p in INDEX_POLICIES]
+    return jobs
+
+
+def capacity_scale(text: str) -> float | None:
+    """`--capacity-priors` value: a positive multiple of the true capacity, or 'unset'."""
+    if text == "unset":
+        return None
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"a capacity prior is a positive multiple or 'unset', got {text!r}")
+    return value
 
 
 def fleet_profile(
@@ -311,10 +393,18 @@ def run(args: argparse.Namespace) -> dict:
         *(workload_of(argparse.Namespace(**{**vars(args), "seed": s}), profile)[1] for s in seeds[1:]),
     ]
     requests = total_turns(sessions)
-    jobs = jobs_of(args.policies or list(POLICY_NAMES), args.modes)
+    jobs = jobs_of(args.policies or list(POLICY_NAMES), args.modes, args.capacity_priors)
     calls = [
-        functools.partial(simulate, w, RoutingConfig(policy=policy), profile, args.replicas, mode)
-        for policy, mode in jobs
+        functools.partial(
+            simulate,
+            w,
+            RoutingConfig(policy=job.policy),
+            profile,
+            args.replicas,
+            job.mode,
+            capacity_scale=job.capacity_scale,
+        )
+        for job in jobs
         for w in workloads
     ]
     total = sum(total_turns(w) for w in workloads) * len(jobs)
@@ -324,12 +414,11 @@ def run(args: argparse.Namespace) -> dict:
     }
     results: dict[str, dict[str, float]] = {}
     rows = []
-    for (name, mode), result in outcomes.items():
-        key = name if mode == "precise" else f"{name}_{mode}"
-        results[key] = result.summary()
+    for job, result in outcomes.items():
+        results[job.key] = result.summary()
         rows.append(
             [
-                key,
+                job.key,
                 result.hit_rate,
                 result.ttft_mean_s,
                 result.ttft_p50_s,
@@ -454,6 +543,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--policies", nargs="*", choices=POLICY_NAMES, default=None)
     parser.add_argument("--modes", nargs="*", choices=MODES, default=list(MODES))
+    parser.add_argument(
+        "--capacity-priors",
+        nargs="+",
+        type=capacity_scale,
+        default=[1.0],
+        metavar="X|unset",
+        help="approximate mode: each replica's configured capacity_blocks as a multiple of its true "
+        "pool, or unset; the index learns the real one from the cached tokens replicas report "
+        "(default 1)",
+    )
     parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
     parser.add_argument("--json", default=None)
     pd = parser.add_argument_group("prefill/decode disaggregation (bench.pd): --pd replaces --policies")

@@ -35,14 +35,13 @@ from policies.least_load import LeastLoad
 from protocol.cancellation import check_cancelled
 from protocol.redis_client import connect
 from radix import RadixIndex
+from radix.index import capacity_prior
 
 log = logging.getLogger("prefixgate.gateway")
 
 # Predicted and exact entries together stay under this many (hash, replica) pairs.
 INDEX_MAX_ENTRIES = 4_000_000
 REDIS_TIMEOUT_S = 5.0
-# A foreign backend's configured capacity is taken this many times over (Gateway._capacity_prior).
-PRIOR_SLACK = 4
 
 
 @dataclass
@@ -182,9 +181,9 @@ class Gateway:
         # Configured KV events are followed whatever the kind: the operator named them.
         events = None if self.approximate_everywhere else found.kv_events
         precise = events is not None or self.precise(replica)
-        self.index.add_replica(
-            replica.id, capacity_blocks=self._capacity_prior(replica, precise), learn=not precise
-        )
+        # A predicted replica's capacity is learned; a foreign backend's configured one is a guess.
+        prior = None if precise else capacity_prior(replica.capacity_blocks, guessed=replica.kind == "openai")
+        self.index.add_replica(replica.id, capacity_blocks=prior, learn=not precise)
         if events is not None:
             source = ZmqSource(events, found.kv_events_replay)
             self.zmq_sync.start(replica.id, replica.model, replica.block_size, source)
@@ -200,17 +199,6 @@ class Gateway:
             source,
         )
         return replica
-
-    @staticmethod
-    def _capacity_prior(replica: Replica, precise: bool) -> int | None:
-        """Where a predicted replica's learned capacity starts. A bundled worker's pool is known; a
-        foreign backend's configured capacity is a guess, and is taken PRIOR_SLACK times over: a bound
-        too loose is learned down within a few requests (each prediction it turns out to lack tightens
-        it), but one too tight is learned up only when routing happens to send a request where the
-        bound had dropped its prefix, which a tight bound makes rare."""
-        if precise or replica.capacity_blocks is None:
-            return None
-        return replica.capacity_blocks * (PRIOR_SLACK if replica.kind == "openai" else 1)
 
     async def deactivate(self, replica_id: str) -> Replica | None:
         replica = self.replicas.remove(replica_id)

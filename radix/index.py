@@ -13,7 +13,8 @@ Predicted entries can expire; exact entries (from KV events) live until removed.
 A predicted replica's capacity is learned (`correct`) from what the replica reports it reused, so a
 configured capacity is only a prior, in whatever unit it was given, or none at all. The model is the
 replica's own LRU: a block it lacked was evicted, and so was every block used before it, so those go
-and the capacity is at most what is left; a block it held that the capacity bound had dropped (a
+and the capacity is at most what is left (the loosest of the latest few such bounds: a block can also
+go while its request waits in the replica's queue); a block it held that the capacity bound had dropped (a
 "ghost", remembered as ARC remembers them) says that it holds at least what the bound kept plus
 every block the bound dropped since that one.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,9 +31,24 @@ NEVER = math.inf
 # A learned capacity never goes below this many blocks: one odd report (a replica that restarted)
 # must not leave the gateway predicting nothing.
 MIN_LEARNED_CAPACITY = 64
+# A guessed capacity (a foreign backend's configured one) is taken this many times over (capacity_prior).
+PRIOR_SLACK = 4
+# A learned capacity is the loosest of this many latest bounds from reports (RadixIndex.correct).
+BOUNDS_KEPT = 8
 # Evicted blocks remembered per block of capacity: a bound set this many times too tight can still
 # see the evidence that it is (a reuse of a block it dropped) and grow.
 GHOSTS_PER_BLOCK = 4
+
+
+def capacity_prior(configured: int | None, *, guessed: bool) -> int | None:
+    """Where a learning replica's capacity bound starts. A known pool (a bundled worker's) is taken as
+    it is; a guess (a foreign backend's configured capacity) PRIOR_SLACK times over: a bound too loose
+    is learned down within a few requests (each prediction it turns out to lack tightens it), but one
+    too tight is learned up only when routing happens to send a request where the bound had dropped
+    its prefix, which a tight bound makes rare."""
+    if configured is None:
+        return None
+    return configured * (PRIOR_SLACK if guessed else 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +81,8 @@ class _Replica:
     ticks: dict[int, int] | None = None
     # Dropped hash -> the count of drops when it was dropped.
     ghosts: OrderedDict[int, int] | None = None
+    # The latest upper bounds on the capacity that reports gave (see correct).
+    bounds: deque[int] | None = None
     tick: int = 0
     dropped: int = 0
 
@@ -101,7 +119,7 @@ class RadixIndex:
             self._names[bit] = replica
         state = _Replica(bit=bit, capacity=capacity_blocks)
         if learn:
-            state.ticks, state.ghosts = {}, OrderedDict()
+            state.ticks, state.ghosts, state.bounds = {}, OrderedDict(), deque(maxlen=BOUNDS_KEPT)
         self._replicas[replica] = state
 
     def drop_replica(self, replica: str) -> None:
@@ -282,13 +300,19 @@ class RadixIndex:
         and the replica reports it reused the first `realised`.
 
         Fewer: the first block it lacked, and every block last used before it, are not there: they
-        go, and the capacity is at most what is left. More: the replica held blocks the capacity
-        bound had dropped: it holds at least what the bound keeps and every block the bound dropped
-        since the earliest of them.
+        go, and the capacity is at most what is left. That bound is the loosest of the latest
+        BOUNDS_KEPT: a replica touches a prefix when it schedules the request, not when the router
+        sends it, so a block can also go while the request that would have used it waits in the
+        replica's queue, and under load such one-off reports, each far below the real capacity, came
+        often enough that keeping the tightest bound shrank the capacity to a fraction of the pool
+        (on the Mooncake conversation trace, `bench fleet`, a hit rate of 0.107 against 0.129).
+        More: the replica held blocks the capacity bound had dropped: it holds at least what the
+        bound keeps and every block the bound dropped since the earliest of them, and the bounds
+        reported before are stale.
         """
         state = self._state(replica)
-        ticks = state.ticks
-        if ticks is None:
+        ticks, bounds = state.ticks, state.bounds
+        if ticks is None or bounds is None:
             raise ValueError(f"replica {replica!r} does not learn its capacity")
         if realised < predicted.blocks:
             lacked = predicted.ticks[realised]
@@ -297,11 +321,12 @@ class RadixIndex:
             blocks = state.blocks
             while blocks and ticks[next(iter(blocks))] <= lacked:
                 self._evict_oldest(replica, state, ghost=False)
-            left = max(len(blocks), MIN_LEARNED_CAPACITY)
-            state.capacity = left if state.capacity is None else min(state.capacity, left)
+            bounds.append(max(len(blocks), MIN_LEARNED_CAPACITY))
+            state.capacity = max(bounds)
         elif state.capacity is not None and realised > predicted.blocks and predicted.ghosted:
             regained = predicted.ghosted[: realised - predicted.blocks]
             state.capacity = max(state.capacity, len(state.blocks) + max(regained))
+            bounds.clear()
 
     # -- internals --------------------------------------------------------------------------
 
