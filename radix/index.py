@@ -13,8 +13,8 @@ Predicted entries can expire; exact entries (from KV events) live until removed.
 A predicted replica's capacity is learned (`correct`) from what the replica reports it reused, so a
 configured capacity is only a prior, in whatever unit it was given, or none at all. The model is the
 replica's own LRU: a block it lacked was evicted, and so was every block used before it, so those go
-and the capacity is at most what is left (the loosest of the latest few such bounds: a block can also
-go while its request waits in the replica's queue); a block it held that the capacity bound had dropped (a
+and the capacity is at most what is left (the median of the latest few such bounds, which err both
+ways); a block it held that the capacity bound had dropped (a
 "ghost", remembered as ARC remembers them) says that it holds at least what the bound kept plus
 every block the bound dropped since that one.
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import statistics
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ NEVER = math.inf
 MIN_LEARNED_CAPACITY = 64
 # A guessed capacity (a foreign backend's configured one) is taken this many times over (capacity_prior).
 PRIOR_SLACK = 4
-# A learned capacity is the loosest of this many latest bounds from reports (RadixIndex.correct).
+# A learned capacity is the median of this many latest bounds from reports (RadixIndex.correct).
 BOUNDS_KEPT = 8
 # Evicted blocks remembered per block of capacity: a bound set this many times too tight can still
 # see the evidence that it is (a reuse of a block it dropped) and grow.
@@ -300,12 +301,14 @@ class RadixIndex:
         and the replica reports it reused the first `realised`.
 
         Fewer: the first block it lacked, and every block last used before it, are not there: they
-        go, and the capacity is at most what is left. That bound is the loosest of the latest
-        BOUNDS_KEPT: a replica touches a prefix when it schedules the request, not when the router
-        sends it, so a block can also go while the request that would have used it waits in the
-        replica's queue, and under load such one-off reports, each far below the real capacity, came
-        often enough that keeping the tightest bound shrank the capacity to a fraction of the pool
-        (on the Mooncake conversation trace, `bench fleet`, a hit rate of 0.107 against 0.129).
+        go, and the capacity is at most what is left. That bound errs both ways, so the capacity is
+        the median of the latest BOUNDS_KEPT: too low when a block went while the request that would
+        have used it waited in the replica's queue (a replica touches a prefix when it schedules the
+        request, not when the router sends it), which under load came often enough that keeping the
+        tightest bound shrank the capacity to a fraction of the pool (the Mooncake conversation trace
+        in `bench fleet`: a hit rate of 0.107, 0.118 with the median); too high when a loose prior let
+        predictions the replica never held pile up (the loosest bound kept them, and in front of real
+        processes piled requests onto one replica: imbalance up to 1.28 against 1.05).
         More: the replica held blocks the capacity bound had dropped: it holds at least what the
         bound keeps and every block the bound dropped since the earliest of them, and the bounds
         reported before are stale.
@@ -322,7 +325,7 @@ class RadixIndex:
             while blocks and ticks[next(iter(blocks))] <= lacked:
                 self._evict_oldest(replica, state, ghost=False)
             bounds.append(max(len(blocks), MIN_LEARNED_CAPACITY))
-            state.capacity = max(bounds)
+            state.capacity = statistics.median_high(bounds)
         elif state.capacity is not None and realised > predicted.blocks and predicted.ghosted:
             regained = predicted.ghosted[: realised - predicted.blocks]
             state.capacity = max(state.capacity, len(state.blocks) + max(regained))
