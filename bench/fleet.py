@@ -20,7 +20,6 @@ import argparse
 import functools
 import heapq
 import itertools
-import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -48,7 +47,7 @@ from bench.workloads import (
 )
 from policies import POLICY_NAMES, RouteRequest, RoutingConfig, build_policy
 from radix import RadixIndex, block_hashes
-from radix.index import Predicted, capacity_prior
+from radix.index import Predicted, capacity_prior, pending_horizon
 from workers.engine.batch import StepOutput, sample_slots
 from workers.engine.sampling_params import SamplingParams
 from workers.sim.moe import Gate
@@ -82,14 +81,6 @@ class _FleetReplica(Replica):
         # Sequence id -> the requests it holds.
         self.requests: dict[int, _Held] = {}
         self.served = 0
-
-    def pending_horizon(self) -> float:
-        """As the gateway's Replica.pending_horizon: blocks recorded by requests still waiting for
-        their first token may not be computed yet, and lacking them is no eviction."""
-        ticks = [
-            h.recorded_tick for h in self.requests.values() if not h.started and h.recorded_tick is not None
-        ]
-        return min(ticks, default=math.inf)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,8 +181,8 @@ def simulate(
         now = r.clock.now()
         for seq in scheduler.update(chunks, outputs, now):
             produced += 1
-            held = r.requests[seq.seq_id]
             if seq.num_output_tokens == 1:
+                held = r.requests[seq.seq_id]
                 held.started = True
                 ttfts.append(now - held.arrival)
                 cached_total += seq.num_cached_tokens
@@ -199,7 +190,7 @@ def simulate(
                     realised = seq.num_cached_tokens // profile.block_size
                     index.correct(r.id, held.predicted, realised)
             if seq.is_finished:
-                del r.requests[seq.seq_id]
+                held = r.requests.pop(seq.seq_id)
                 answered(held.session, held.turn, now)
 
     while due or busy:
@@ -238,7 +229,7 @@ def simulate(
         chosen.served += 1
         prompt_total += len(tokens)
         if not precise and hashes:
-            held.predicted = index.predicted(chosen.id, hashes, chosen.pending_horizon())
+            held.predicted = index.predicted(chosen.id, hashes, pending_horizon(chosen.requests.values()))
             held.recorded_tick = index.tick_now(chosen.id)
             index.insert(chosen.id, hashes, expires_at=now + prediction_ttl_s)
         if idle:
@@ -310,7 +301,7 @@ def jobs_of(
     return jobs
 
 
-def capacity_scale(text: str) -> float | None:
+def parse_capacity_prior(text: str) -> float | None:
     """`--capacity-priors` value: a positive multiple of the true capacity, or 'unset'."""
     if text == "unset":
         return None
@@ -546,7 +537,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--capacity-priors",
         nargs="+",
-        type=capacity_scale,
+        type=parse_capacity_prior,
         default=[1.0],
         metavar="X|unset",
         help="approximate mode: each replica's configured capacity_blocks as a multiple of its true "

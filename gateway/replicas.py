@@ -11,12 +11,12 @@ Pure state, no I/O: discovery (gateway.discovery) and the request path update it
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
 from policies import ReplicaView, Role
+from radix.index import pending_horizon
 
 Kind = Literal["bundled", "openai"]
 Source = Literal["config", "registry", "admin"]
@@ -124,12 +124,8 @@ class Replica:
         )
 
     def pending_horizon(self) -> float:
-        """The earliest index tick a request still waiting for its first token was recorded at: blocks
-        used since may not be computed on the replica yet (radix.index.Predicted.horizon)."""
-        ticks = [
-            r.recorded_tick for r in self.inflight.values() if not r.started and r.recorded_tick is not None
-        ]
-        return min(ticks, default=math.inf)
+        """Of the requests in flight here (radix.index.pending_horizon)."""
+        return pending_horizon(self.inflight.values())
 
     def to_json(self) -> dict[str, object]:
         running, waiting, queued = self.load()

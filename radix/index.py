@@ -27,6 +27,7 @@ import statistics
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 NEVER = math.inf
 # A learned capacity never goes below this many blocks: one odd report (a replica that restarted)
@@ -50,6 +51,22 @@ def capacity_prior(configured: int | None, *, guessed: bool) -> int | None:
     if configured is None:
         return None
     return configured * (PRIOR_SLACK if guessed else 1)
+
+
+class Pending(Protocol):
+    """A request routed to a learning replica: whether its first token came, and the index tick its
+    prompt was recorded at (None: not recorded)."""
+
+    started: bool
+    recorded_tick: int | None
+
+
+def pending_horizon(requests: Iterable[Pending]) -> float:
+    """A replica's Predicted.horizon: the earliest tick a request still waiting for its first token
+    was recorded at, since blocks used from then on may not be computed on the replica yet."""
+    return min(
+        (r.recorded_tick for r in requests if not r.started and r.recorded_tick is not None), default=NEVER
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from workers.engine.batch import ScheduledChunk
 from workers.engine.sampling_params import SamplingParams
-from workers.sim.cost_model import step_shape
+from workers.sim.cost_model import StepShape, step_shape
 from workers.sim.fit import Fit, fit_cost_model, relative_errors
 from workers.sim.profiles import CPU_SMOLLM2, profile_to_json
 
@@ -75,6 +75,11 @@ def build_chunks(composition: Composition, block_size: int, vocab_size: int) -> 
         chunks.append(ScheduledChunk(seq_id, tokens, start, table, True, GREEDY, num_generated=1))
         next_block += blocks
     return chunks
+
+
+def shapes_of(compositions: Sequence[Composition], block_size: int, vocab_size: int) -> list[StepShape]:
+    """What the cost model sees of each step: the fit's samples."""
+    return [step_shape(build_chunks(c, block_size, vocab_size)) for c in compositions]
 
 
 def blocks_needed(compositions: Sequence[Composition], block_size: int) -> int:
@@ -138,9 +143,9 @@ def calibrate(loaded: LoadedModel, *, repeats: int, threads: int, block_size: in
         return times
 
     times = timed(grid)
-    fit = fit_cost_model([step_shape(build_chunks(c, block_size, vocab)) for c in grid], times)
+    fit = fit_cost_model(shapes_of(grid, block_size, vocab), times)
     holdout_times = timed(HOLDOUT)
-    holdout_shapes = [step_shape(build_chunks(c, block_size, vocab)) for c in HOLDOUT]
+    holdout_shapes = shapes_of(HOLDOUT, block_size, vocab)
     return Calibration(
         fit, grid, times, holdout_times, relative_errors(fit.model, holdout_shapes, holdout_times)
     )

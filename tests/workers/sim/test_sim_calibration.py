@@ -26,6 +26,7 @@ from workers.sim.calibrate import (
     build_chunks,
     calibrate,
     describe,
+    shapes_of,
     step_timer,
 )
 from workers.sim.cost_model import step_shape
@@ -59,20 +60,19 @@ def test_a_calibration_on_this_machine_predicts_the_real_engine() -> None:
             runs += [timed_steps(loaded) for _ in range(2)]
     finally:
         torch.set_num_threads(threads)
-    grid = calibrations[0].grid
-    shapes = [step_shape(build_chunks(c, CPU_SMOLLM2.block_size, loaded.config.vocab_size)) for c in grid]
-    fitted = fit_cost_model(
-        shapes, [min(ts) for ts in zip(*(c.times for c in calibrations), strict=True)]
-    ).model
+    shapes = shapes_of(calibrations[0].grid, CPU_SMOLLM2.block_size, loaded.config.vocab_size)
+    fastest = [min(ts) for ts in zip(*(c.times for c in calibrations), strict=True)]
+    fitted = fit_cost_model(shapes, fastest).model
     steps = runs[0]
     assert all([c for c, _ in r] == [c for c, _ in steps] for r in runs)
     assert any(c.start_pos == 144 and len(c.token_ids) == 40 for chunks, _ in steps for c in chunks)
+    prefills = [is_prefill(chunks) for chunks, _ in steps]
     report = []
     for kind in ("prefill", "decode"):
         wanted = kind == "prefill"
-        measured = min(sum(t for c, t in r if is_prefill(c) == wanted) for r in runs)
-        predicted = sum(fitted.step_time(c) for c, _ in steps if is_prefill(c) == wanted)
-        report.append((kind, sum(is_prefill(c) == wanted for c, _ in steps), measured, predicted))
+        measured = min(sum(t for (_, t), p in zip(r, prefills, strict=True) if p == wanted) for r in runs)
+        predicted = sum(fitted.step_time(c) for (c, _), p in zip(steps, prefills, strict=True) if p == wanted)
+        report.append((kind, prefills.count(wanted), measured, predicted))
     for kind, n, measured, predicted in report:
         assert abs(predicted / measured - 1) < TOLERANCE, (
             f"{kind} steps ({n}): measured {measured:.3f} s, predicted {predicted:.3f} s; all: {report}"
