@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TRACE ?= ../shared/traces/mooncake/conversation_trace.jsonl
 OUT ?= out
 
-.PHONY: demo test lint bench-radix bench-fleet bench-pd bench-ep redis-server prometheus-server clean
+.PHONY: demo test lint bench-radix bench-fleet bench-pd bench-ep bench-vllm vllm-env redis-server prometheus-server clean
 
 # The torch pin comes first: it is the CPU build on this machine's disk, and installing it before
 # the project keeps any dependency from pulling a multi-GB CUDA build.
@@ -37,7 +37,7 @@ prometheus-server:
 	    echo "prometheus is missing: install it (apt-get install prometheus) or run as root" >&2; exit 1; \
 	  fi; }
 
-test: $(VENV)/.installed redis-server prometheus-server
+test: $(VENV)/.installed vllm-env redis-server prometheus-server
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
@@ -65,6 +65,15 @@ bench-ep: $(VENV)/.installed
 	$(VENV)/bin/prefixgate bench ep --json $(OUT)/ep.json --plot $(OUT)/ep.png
 	$(VENV)/bin/prefixgate bench fleet --trace $(TRACE) --limit 2000 --speed 3 --profile mixtral-8x7b-h100 \
 	  --ep 2,4,8 --json $(OUT)/ep_mixtral.json
+
+# vLLM's CPU build in a venv of its own (bench.vllm_env: ~2 minutes once, then cached), for bench-vllm
+# and tests/gateway/test_real_vllm.py.
+vllm-env: $(VENV)/.installed
+	$(PY) -m bench.vllm_env
+
+# The routers (prefixgate's policies, sglang-router, vllm-router) over two real vLLM servers on this CPU.
+bench-vllm: vllm-env
+	$(VENV)/bin/prefixgate bench vllm --json $(OUT)/vllm.json
 
 bench-radix: $(VENV)/.installed
 	$(VENV)/bin/prefixgate bench radix --json $(OUT)/bench_radix.json

@@ -33,7 +33,9 @@ from bench.pd import DEFAULT_RESERVE_WAIT_S
 from bench.replica import Replica, nominal_prefill_rate, replica_view
 from bench.report import bar_panels, format_table, write_json
 from bench.trace import load_trace, trace_sessions
+from bench.units import TOKENS, UNITS, Unit, own_tokens, unit_of
 from bench.workloads import (
+    AGENT_WORKLOADS,
     AgentParams,
     GroupedParams,
     LongMixParams,
@@ -46,8 +48,10 @@ from bench.workloads import (
     total_turns,
 )
 from policies import POLICY_NAMES, RouteRequest, RoutingConfig, build_policy
+from policies.config import parse_routing
 from radix import RadixIndex, block_hashes
 from radix.index import Predicted, capacity_prior, pending_horizon
+from radix.reports import ReportedUnit, realised_blocks
 from workers.engine.batch import StepOutput, sample_slots
 from workers.engine.sampling_params import SamplingParams
 from workers.sim.moe import Gate
@@ -56,7 +60,8 @@ from workers.sim.profiles import Profile, get_profile
 MODES = ("precise", "approximate")
 # The policies that read the index, and so route differently when it is predicted (approximate).
 INDEX_POLICIES = ("prefix_aware", "cache_threshold")
-WORKLOADS = ("agent", "grouped", "longmix")
+# The generated workloads by name: bench.workloads.TUNED and HELD_OUT say which may be tuned on.
+WORKLOADS = ("agent", "grouped", "longmix", "agent-zipf", "agent-tools", "agent-think")
 
 
 @dataclass(slots=True)
@@ -71,6 +76,10 @@ class _Held:
     predicted: Predicted | None = None
     recorded_tick: int | None = None
     started: bool = False
+    # The prompt's hashes and the replica's count of its tokens (approximate mode: what the report is
+    # read against), or its in-flight record on an exact replica (precise mode: settled at its end).
+    hashes: list[int] | None = None
+    own_tokens: int = 0
 
 
 class _FleetReplica(Replica):
@@ -93,6 +102,8 @@ class FleetResult:
     imbalance: float
     completed: int
     rejected: int
+    # Of the sessions' later turns, the share served elsewhere than the turn before (a history moved).
+    moved_turns: float = 0.0
 
     @classmethod
     def mean(cls, results: Sequence[FleetResult]) -> FleetResult:
@@ -106,6 +117,7 @@ class FleetResult:
             imbalance=statistics.fmean(r.imbalance for r in results),
             completed=sum(r.completed for r in results),
             rejected=sum(r.rejected for r in results),
+            moved_turns=statistics.fmean(r.moved_turns for r in results),
         )
 
     def summary(self) -> dict[str, float]:
@@ -116,6 +128,7 @@ class FleetResult:
             "ttft_p99_s": self.ttft_p99_s,
             "throughput_tok_s": self.throughput_tok_s,
             "imbalance": self.imbalance,
+            "moved_turns": self.moved_turns,
         }
 
 
@@ -128,20 +141,34 @@ def simulate(
     prediction_ttl_s: float = 300.0,
     on_request_done: Callable[[], None] | None = None,
     capacity_scale: float | None = 1.0,
+    unit: Unit = TOKENS,
 ) -> FleetResult:
     """One workload through the policy onto `replicas` simulated replicas. In approximate mode the
     index learns as the gateway does in front of foreign backends: each replica's configured capacity
     is `capacity_scale` times its true pool (None: not configured), taken as a guess
     (radix.index.capacity_prior), and corrected by the cached tokens each request reports at its
-    first token."""
+    first token, read as the gateway reads them (radix.reports). The replicas count prompts in `unit`
+    (bench.units), which only approximate mode can follow. In precise mode, as in the gateway, a
+    prompt counts as held by its replica from when it is routed there until its request ends."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if capacity_scale is not None and capacity_scale <= 0:
         raise ValueError(f"capacity_scale must be positive, got {capacity_scale}")
-    policy = build_policy(routing)
     precise = mode == "precise"
+    if precise and unit.foreign:
+        raise ValueError(
+            f"replicas counting in {unit.name} publish no events in the gateway's blocks: "
+            "route them in approximate mode"
+        )
+    policy = build_policy(routing)
     index = RadixIndex()
-    fleet = [_FleetReplica(f"r{i}", profile, index, precise) for i in range(replicas)]
+    own_profile = profile
+    if unit.block_size is not None:
+        own_profile = replace(profile, block_size=unit.block_size)
+    fleet = [_FleetReplica(f"r{i}", own_profile, index, precise) for i in range(replicas)]
+    reported = {r.id: ReportedUnit() for r in fleet}
+    last_replica: dict[int, str] = {}
+    moved = later_turns = 0
     configured = None if capacity_scale is None else max(1, round(profile.num_blocks * capacity_scale))
     for r in fleet:
         if precise:
@@ -186,11 +213,23 @@ def simulate(
                 held.started = True
                 ttfts.append(now - held.arrival)
                 cached_total += seq.num_cached_tokens
-                if held.predicted is not None:
-                    realised = seq.num_cached_tokens // profile.block_size
+                if held.predicted is not None and held.hashes is not None:
+                    report = reported[r.id]
+                    report.observe(seq.num_cached_tokens)
+                    realised = realised_blocks(
+                        held.predicted.blocks,
+                        seq.num_cached_tokens,
+                        held.own_tokens if unit.foreign else None,
+                        len(sessions[held.session].turns[held.turn].prompt),
+                        profile.block_size,
+                        report.block(profile.block_size),
+                        len(held.hashes),
+                    )
                     index.correct(r.id, held.predicted, realised)
             if seq.is_finished:
                 held = r.requests.pop(seq.seq_id)
+                if precise and held.hashes is not None:
+                    index.settle(r.id, held.hashes)
                 answered(held.session, held.turn, now)
 
     while due or busy:
@@ -219,19 +258,29 @@ def simulate(
         if idle:
             chosen.clock.advance_to(now)
         sampling = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
+        own = own_tokens(unit, tokens, profile.vocab_size)
         try:
-            rid = chosen.engine.add_request(tokens, sampling)
+            rid = chosen.engine.add_request(own, sampling)
         except ValueError:
             rejected += 1
             answered(session, turn, now)
             continue
-        held = chosen.requests[rid] = _Held(now, session, turn)
+        held = chosen.requests[rid] = _Held(now, session, turn, own_tokens=len(own))
         chosen.served += 1
-        prompt_total += len(tokens)
-        if not precise and hashes:
-            held.predicted = index.predicted(chosen.id, hashes, pending_horizon(chosen.requests.values()))
-            held.recorded_tick = index.tick_now(chosen.id)
-            index.insert(chosen.id, hashes, expires_at=now + prediction_ttl_s)
+        prompt_total += len(own)
+        if turn:
+            later_turns += 1
+            moved += last_replica.get(session) != chosen.id
+        last_replica[session] = chosen.id
+        if hashes:
+            held.hashes = hashes
+            if precise:
+                index.insert(chosen.id, hashes, expires_at=now + prediction_ttl_s)
+            else:
+                horizon = pending_horizon(chosen.requests.values())
+                held.predicted = index.predicted(chosen.id, hashes, horizon)
+                held.recorded_tick = index.tick_now(chosen.id)
+                index.insert(chosen.id, hashes, expires_at=now + prediction_ttl_s)
         if idle:
             heapq.heappush(busy, (chosen.clock.now(), fleet.index(chosen)))
     end = max(r.clock.now() for r in fleet)
@@ -247,6 +296,7 @@ def simulate(
         imbalance=max(counts) / statistics.fmean(counts) if sum(counts) else 1.0,
         completed=len(ttfts),
         rejected=rejected,
+        moved_turns=moved / later_turns if later_turns else 0.0,
     )
 
 
@@ -291,14 +341,35 @@ class Job:
 
 
 def jobs_of(
-    policies: list[str], modes: list[str], capacity_scales: Sequence[float | None] = (1.0,)
+    policies: list[str],
+    modes: list[str],
+    capacity_scales: Sequence[float | None] = (1.0,),
+    foreign: bool = False,
 ) -> list[Job]:
     """What to simulate: approximate mode changes only what the index policies read, so only they
-    run in it, once per configured capacity."""
+    run in it, once per configured capacity. Replicas of a `foreign` unit publish no events the
+    gateway could follow: every policy runs in approximate mode."""
+    if foreign:
+        if "approximate" not in modes:
+            raise ValueError("replicas counting in another unit can only be routed in approximate mode")
+        first = capacity_scales[0]
+        index = [Job(p, "approximate", c) for c in capacity_scales for p in policies if p in INDEX_POLICIES]
+        return index + [Job(p, "approximate", first) for p in policies if p not in INDEX_POLICIES]
     jobs = [Job(p, "precise") for p in policies if "precise" in modes]
     if "approximate" in modes:
         jobs += [Job(p, "approximate", c) for c in capacity_scales for p in policies if p in INDEX_POLICIES]
     return jobs
+
+
+def _knob(text: str) -> tuple[str, float]:
+    """`--prefix-aware KEY=VALUE`: a knob of policies.prefix_aware's config, checked when it is built."""
+    key, sep, value = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return key.strip(), float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected KEY=NUMBER, got {text!r}") from None
 
 
 def parse_capacity_prior(text: str) -> float | None:
@@ -330,11 +401,13 @@ def fleet_profile(
 
 def generated_sessions(args: argparse.Namespace) -> tuple[list[Session], dict[str, Any]]:
     """`--workload`'s sessions and parameters from the flags both benches share: --seed, --sessions
-    (agent: sessions; longmix: requests) and --duration (agent: the window sessions start in;
-    grouped, longmix: prompts due later are left out), --rate (grouped, longmix), --limit (sessions)
-    and --speed."""
-    if args.workload == "agent":
-        params: AgentParams | GroupedParams | LongMixParams = AgentParams(seed=args.seed)
+    (agent workloads: sessions; longmix: requests) and --duration (agent workloads: the window
+    sessions start in; grouped, longmix: prompts due later are left out), --rate (grouped, longmix),
+    --limit (sessions) and --speed."""
+    if args.workload in AGENT_WORKLOADS:
+        params: AgentParams | GroupedParams | LongMixParams = replace(
+            AGENT_WORKLOADS[args.workload], seed=args.seed
+        )
         if args.sessions is not None:
             params = replace(params, sessions=args.sessions)
         if args.duration is not None:
@@ -384,16 +457,19 @@ def run(args: argparse.Namespace) -> dict:
         *(workload_of(argparse.Namespace(**{**vars(args), "seed": s}), profile)[1] for s in seeds[1:]),
     ]
     requests = total_turns(sessions)
-    jobs = jobs_of(args.policies or list(POLICY_NAMES), args.modes, args.capacity_priors)
+    unit = unit_of(args.replica_unit)
+    jobs = jobs_of(args.policies or list(POLICY_NAMES), args.modes, args.capacity_priors, unit.foreign)
+    overrides = dict(args.prefix_aware or ())
     calls = [
         functools.partial(
             simulate,
             w,
-            RoutingConfig(policy=job.policy),
+            parse_routing({"policy": job.policy, "prefix_aware": overrides}),
             profile,
             args.replicas,
             job.mode,
             capacity_scale=job.capacity_scale,
+            unit=unit,
         )
         for job in jobs
         for w in workloads
@@ -416,20 +492,27 @@ def run(args: argparse.Namespace) -> dict:
                 result.ttft_p99_s,
                 result.throughput_tok_s,
                 result.imbalance,
+                result.moved_turns,
             ]
         )
     pooled = statistics.fmean(pooled_hit_rate(w, profile, args.replicas) for w in workloads)
-    rows.append(["pooled bound", pooled, "", "", "", "", ""])
+    rows.append(["pooled bound", pooled, "", "", "", "", "", ""])
     title = (
         f"fleet simulation: {workload}, {requests} requests, {args.replicas} x {profile.name} "
         f"({profile.num_blocks} blocks of {profile.block_size}), speed {args.speed:g}"
     )
+    if unit.foreign:
+        title += f", replicas counting in {unit.name}"
+    if overrides:
+        title += ", prefix_aware " + " ".join(f"{k}={v}" for k, v in overrides.items())
     if len(seeds) > 1:
         title += f", means of seeds {seeds[0]}-{seeds[-1]}"
 
     print(
         format_table(
-            title, ["policy", "hit rate", "TTFT mean s", "p50 s", "p99 s", "out tok/s", "imbalance"], rows
+            title,
+            ["policy", "hit rate", "TTFT mean s", "p50 s", "p99 s", "out tok/s", "imbalance", "moved turns"],
+            rows,
         )
     )
     payload = {
@@ -444,6 +527,8 @@ def run(args: argparse.Namespace) -> dict:
         "speed": args.speed,
         "seed": args.seed,
         "seeds": seeds,
+        "replica_unit": unit.name,
+        "prefix_aware": overrides,
         "policies": results,
         "pooled_bound": {"hit_rate": pooled},
     }
@@ -488,7 +573,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload",
         choices=WORKLOADS,
         default=None,
-        help="generated: agent sessions, grouped prefixes, or long prompts with long answers (longmix)",
+        help="generated (bench.workloads): agent sessions (agent; agent-zipf: Zipf tenants; agent-tools: "
+        "long tool results; agent-think: long think times), grouped prefixes, or long prompts with long "
+        "answers (longmix)",
     )
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--profile", default="h100-8b", help="sim profile name or JSON path")
@@ -508,8 +595,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sessions",
         type=int,
         default=None,
-        help=f"agent sessions (default {AgentParams().sessions}); longmix requests "
-        f"(default {LongMixParams().requests})",
+        help=f"agent workloads' sessions (default: the workload's, agent {AgentParams().sessions}); "
+        f"longmix requests (default {LongMixParams().requests})",
     )
     parser.add_argument(
         "--rate",
@@ -522,8 +609,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--duration",
         type=float,
         default=None,
-        help=f"agent: the window sessions start in (default {AgentParams().start_window_s:g} s); "
-        "grouped, longmix: prompts due later are left out",
+        help="agent workloads: the window sessions start in (default: the workload's, agent "
+        f"{AgentParams().start_window_s:g} s); grouped, longmix: prompts due later are left out",
     )
     parser.add_argument("--seed", type=int, default=0, help="of the generated workloads")
     parser.add_argument(
@@ -543,6 +630,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="approximate mode: each replica's configured capacity_blocks as a multiple of its true "
         "pool, or unset; the index learns the real one from the cached tokens replicas report "
         "(default 1)",
+    )
+    parser.add_argument(
+        "--replica-unit",
+        choices=UNITS,
+        default="tokens",
+        help="what the replicas count prompts in: the gateway's tokens, words (several tokens each), or "
+        "tokens in KV blocks of 64 (bench.units); not tokens: approximate mode only",
+    )
+    parser.add_argument(
+        "--prefix-aware",
+        type=_knob,
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="a prefix_aware knob for every run (e.g. recompute_penalty=0), repeatable",
     )
     parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
     parser.add_argument("--json", default=None)

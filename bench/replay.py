@@ -6,7 +6,8 @@ have finished. A closed loop over all users slows down with the server and so hi
 that latency under load is about. Within a session (bench.workloads: an agent's turns) the loop is
 closed, as an agent's is: a turn leaves its think time after the previous answer ended. A trace or
 a shared-prefix load is sessions of one request. Prompts are token ids, which both the gateway and
-the simulated workers accept, so no tokenizer runs on either side of the measurement.
+the simulated workers accept, so no tokenizer runs on either side of the measurement; with `--text`
+they are sent as words (bench.words), for servers and routers that tokenize what they are sent.
 
 With `--sim-fleet N` it brings its own servers: per row, N fresh simulated workers (empty caches)
 and a gateway with the row's policy, each its own process (bench.local_fleet), and one workload
@@ -15,6 +16,17 @@ rows run together share the machine's noise). The policies that read the index g
 workers declared as bundled (precise: the gateway follows their KV events) or as foreign OpenAI
 servers (approximate: the gateway predicts their caches from its own routing) with the capacity the
 gateway is told set to a multiple of their true pool, or left for it to learn.
+
+`--sim-unit` makes the workers count in another unit than the gateway, as a foreign backend does:
+`words` (they read the text as one token per word, `prefixgate worker --sim-tokenizer words`, while
+the gateway reads it with SmolLM2's tokenizer, about 2.8 tokens a word) or `blocks64` (the gateway's
+tokens, cached in blocks of 64). Such workers are declared foreign (`kind: openai`) in every row, since
+the gateway can follow no events in another unit. `--peers` adds rows where a peer router
+(bench.peers: sglang-router, vllm-router) stands in for the gateway over fresh workers of the same
+kind. Each row's hit rate is what its workers report (usage.prompt_tokens_details.cached_tokens in
+their own unit), and its moved turns the share of sessions' turns served by another replica than the
+turn before: the gateway names its replica in a header, a peer router names none, so there the
+workers' own header is read.
 """
 
 from __future__ import annotations
@@ -41,14 +53,38 @@ import yaml
 from tqdm import tqdm
 
 from bench.fleet import INDEX_POLICIES, WORKLOADS, generated_sessions
-from bench.local_fleet import SimWorkers, cli, free_port, gateway_config, local_fleet, spawn, stop, wait_ready
+from bench.local_fleet import (
+    LocalFleet,
+    SimWorkers,
+    cli,
+    free_port,
+    gateway_config,
+    spawn,
+    stop,
+    wait_ready,
+    worker_command,
+)
+from bench.peers import PEER_ROWS, peer_router
 from bench.report import bar_panels, format_table, write_json
 from bench.trace import TraceRequest, load_trace, prompt_tokens
-from bench.workloads import TOKEN_HIGH, TOKEN_LOW, AgentParams, GroupedParams, Session, Turn, total_turns
+from bench.words import text_of
+from bench.workloads import (
+    AGENT_WORKLOADS,
+    TOKEN_HIGH,
+    TOKEN_LOW,
+    AgentParams,
+    GroupedParams,
+    Session,
+    Turn,
+    total_turns,
+)
 from gateway.upstream import UpstreamClient, UpstreamError
 from policies import POLICY_NAMES
+from workers.server import WORKER_HEADER
+from workers.sim.profiles import get_profile
 
-# The gateway names the replica that served a request here; a worker talked to directly does not.
+# The gateway names the replica that served a request here; a worker talked to directly does not
+# (our workers name themselves in WORKER_HEADER, read instead behind a router that names nothing).
 REPLICA_HEADER = "x-prefixgate-replica"
 DIRECT = "direct"
 PERCENTILES = (50, 90, 99)
@@ -69,6 +105,9 @@ FLEET_WORKLOAD = (16, 32, 2048, 128, 32)
 FLEET_RATE = 40.0
 FLEET_DURATION_S = 20.0
 FLEET_PARALLEL = 4
+# --sim-unit: the workers' own unit, and the KV block of `blocks64`.
+SIM_UNITS = ("words", "blocks64")
+BLOCKS64 = 64
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +135,9 @@ class RequestRecord:
     cached_tokens: int
     output_tokens: int
     replica: str
+    # Which session's which turn it was (None: a request of no session, as closed_loop's).
+    session: int | None = None
+    turn: int = 0
 
 
 @dataclass(slots=True)
@@ -125,10 +167,20 @@ class ReplayResult:
             "e2e_s": latency_stats([r.e2e_s for r in records]),
             "hit_rate": sum(r.cached_tokens for r in records) / prompt if prompt else 0.0,
             "requests_per_replica": dict(sorted(Counter(r.replica for r in records).items())),
+            "moved_turns": moved_turns(records),
             "throughput_req_s": self.completed / span,
             "output_tok_s": sum(r.output_tokens for r in records) / span,
             "elapsed_s": self.elapsed_s,
         }
+
+
+def moved_turns(records: Sequence[RequestRecord]) -> float | None:
+    """Of the sessions' turns whose previous turn was answered too, the share served by another
+    replica than that turn: a history recomputed there, and held twice. None when no session had two
+    answered turns in a row (sessions of one turn: nothing can move)."""
+    served = {(r.session, r.turn): r.replica for r in records if r.session is not None}
+    pairs = [(replica, served[s, k - 1]) for (s, k), replica in served.items() if (s, k - 1) in served]
+    return sum(now != before for now, before in pairs) / len(pairs) if pairs else None
 
 
 def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
@@ -247,12 +299,17 @@ async def discover_model(session: aiohttp.ClientSession, url: str) -> str | None
 
 
 async def _stream_one(
-    client: UpstreamClient, url: str, request: tuple[bytes, int], headers: dict[str, str], timeout_s: float
+    client: UpstreamClient,
+    url: str,
+    request: tuple[bytes, int],
+    headers: dict[str, str],
+    timeout_s: float,
+    replica_header: str = REPLICA_HEADER,
 ) -> RequestRecord:
     """One streamed completion (its body, and its prompt's length), timed from when it is sent to its
-    [DONE]; raises _Failed with the kind of failure. The stream is then read to its end, so that its
-    connection serves the next request instead of a new one being opened for each; a failure past
-    [DONE] costs the connection, not the answer."""
+    [DONE], its replica read from `replica_header`; raises _Failed with the kind of failure. The
+    stream is then read to its end, so that its connection serves the next request instead of a new
+    one being opened for each; a failure past [DONE] costs the connection, not the answer."""
     body, prompt_len = request
     start = time.perf_counter()
     chunk_times: list[float] = []
@@ -265,7 +322,7 @@ async def _stream_one(
         try:
             if response.status != 200:
                 raise _Failed(f"http_{response.status}")
-            replica = response.headers.get(REPLICA_HEADER, DIRECT)
+            replica = response.headers.get(replica_header, DIRECT)
             pending = b""
             while end is None and (chunk := await response.read_chunk()):
                 now = time.perf_counter()
@@ -304,11 +361,14 @@ async def _stream_one(
     )
 
 
-def _body(token_ids: Sequence[int], max_tokens: int, model: str | None, user: str = "") -> tuple[bytes, int]:
+def _body(
+    token_ids: Sequence[int], max_tokens: int, model: str | None, user: str = "", text: bool = False
+) -> tuple[bytes, int]:
     """A streamed completion of exactly `max_tokens` tokens; `user` names the session, for routers
-    with session affinity (an empty one is left out)."""
+    with session affinity (an empty one is left out). `text`: the prompt as words (bench.words), for
+    servers and routers that tokenize it themselves."""
     body: dict[str, Any] = {
-        "prompt": list(token_ids),
+        "prompt": text_of(token_ids) if text else list(token_ids),
         "max_tokens": max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -353,6 +413,8 @@ async def replay_sessions(
     progress: bool = True,
     label: str | None = None,
     position: int = 0,
+    text: bool = False,
+    replica_header: str = REPLICA_HEADER,
 ) -> ReplayResult:
     """Start every session at its time (open loop across sessions), send each later turn its think
     time after the previous answer ended (closed loop within one), and measure each streamed answer.
@@ -362,7 +424,9 @@ async def replay_sessions(
     requests are in flight; later ones wait for a slot and are timed from when they leave. Each
     request gets `timeout_s` once it leaves; one not done about as long after it was due (waiting for
     a slot included) counts as "unfinished", and its session goes on. Failures are counted by kind in
-    `errors`, never raised; a failed turn is followed by the session's next one all the same.
+    `errors`, never raised; a failed turn is followed by the session's next one all the same. `text`
+    sends each prompt as words (bench.words) instead of token ids. Each answer's replica is read from
+    `replica_header` (the gateway's; behind a router that names none, WORKER_HEADER, the worker's own).
     """
     url = url.rstrip("/")
     headers = _headers(api_key)
@@ -386,14 +450,15 @@ async def replay_sessions(
             position=position,
         )
 
-        async def one(turn: Turn, user: str) -> None:
+        async def one(session: int, k: int, turn: Turn, user: str) -> None:
             nonlocal last_end, sent
             sent += 1
             deadline = asyncio.timeout(timeout_s + DRAIN_GRACE_S)
             try:
                 async with deadline, slots:
-                    body = _body(turn.prompt, turn.max_tokens, model, user)
-                    records.append(await _stream_one(client, url, body, headers, timeout_s))
+                    body = _body(turn.prompt, turn.max_tokens, model, user, text)
+                    record = await _stream_one(client, url, body, headers, timeout_s, replica_header)
+                    records.append(dataclasses.replace(record, session=session, turn=k))
             except (_Failed, UpstreamError, TimeoutError, ValueError) as error:
                 errors["unfinished" if deadline.expired() else _failure_kind(error)] += 1
             last_end = max(last_end, loop.time())
@@ -401,14 +466,14 @@ async def replay_sessions(
             if errors:
                 bar.set_postfix(errors=errors.total(), refresh=False)
 
-        async def run(session: Session) -> None:
+        async def run(i: int, session: Session) -> None:
             await asyncio.sleep(max(start + session.start_s - loop.time(), 0.0))
             for k, turn in enumerate(session.turns):
                 if k:
                     await asyncio.sleep(turn.think_s)
-                await one(turn, session.key)
+                await one(i, k, turn, session.key)
 
-        await asyncio.gather(*(run(s) for s in sessions))
+        await asyncio.gather(*(run(i, s) for i, s in enumerate(sessions)))
         bar.close()
     finally:
         client.close()
@@ -487,7 +552,8 @@ class Mode:
 
 
 PRECISE = Mode(precise=True)
-FLEET_MODES = (Mode(False, 0.25), Mode(False, 1.0), Mode(False, 16.0), Mode(False), PRECISE)
+APPROX = Mode(precise=False)
+FLEET_MODES = (Mode(False, 0.25), Mode(False, 1.0), Mode(False, 16.0), APPROX, PRECISE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -502,22 +568,45 @@ class Row:
         return f"{self.policy} {self.mode.name}" if self.policy in INDEX_POLICIES else self.policy
 
 
-def fleet_rows(policies: Sequence[str], modes: Sequence[Mode]) -> list[Row]:
-    """A row per mode for the policies that read the index, one (precise: bundled workers, whose load
-    reports they read) for the others. Rows of one mode come together, so that the index policies
-    run side by side (--parallel) under the same conditions and read next to each other."""
+@dataclass(frozen=True, slots=True)
+class PeerRow:
+    """A row with a peer router (bench.peers.PEER_ROWS) in place of the gateway."""
+
+    router: str
+
+    @property
+    def name(self) -> str:
+        return self.router
+
+
+def fleet_rows(policies: Sequence[str], modes: Sequence[Mode], plain: Mode = PRECISE) -> list[Row]:
+    """A row per mode for the policies that read the index, one for the others in the `plain` mode
+    (precise: bundled workers, whose load reports they read; APPROX where the workers count in
+    another unit and must be declared foreign). Rows of one mode come together, so that the index
+    policies run side by side (--parallel) under the same conditions and read next to each other."""
     index = [p for p in policies if p in INDEX_POLICIES]
     return [Row(p, m) for m in modes for p in index] + [
-        Row(p, PRECISE) for p in policies if p not in INDEX_POLICIES
+        Row(p, plain) for p in policies if p not in INDEX_POLICIES
     ]
 
 
 def row_gateway_config(
-    model: str, worker_urls: Sequence[str], policy: str, mode: Mode, pool: tuple[int, int], port: int
+    model: str,
+    worker_urls: Sequence[str],
+    policy: str,
+    mode: Mode,
+    pool: tuple[int, int],
+    port: int,
+    text: bool = False,
 ) -> dict[str, Any]:
     """local_fleet's gateway config, with the workers declared as the mode says; `pool` is their
-    (block size, blocks). Ids are the workers' own (w0, w1, ...) either way, so rows compare."""
+    (block size, blocks) as the gateway is told them, in its own tokens. Ids are the workers' own (w0,
+    w1, ...) either way, so rows compare. `text`: the prompts come as text, which the gateway reads
+    with the default tokenizer (SmolLM2's) whatever the model, as a gateway before a backend with a
+    tokenizer of its own would."""
     config = gateway_config(model, worker_urls, policy, port)
+    if text:
+        config["models"] = {model: {"tokenizer": "default"}}
     if mode.precise:
         config["replicas"] = [{"url": url, "kind": "bundled"} for url in worker_urls]
         return config
@@ -531,17 +620,77 @@ def row_gateway_config(
     return config
 
 
+@dataclass(frozen=True, slots=True)
+class FleetWorkers:
+    """The simulated workers of every row: how many, with which profile and pool, and the flags that
+    make them count in their own unit (none: the gateway's)."""
+
+    spec: SimWorkers
+    flags: tuple[str, ...] = ()
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size or get_profile(self.spec.profile).block_size
+
+
+def fleet_workers(count: int, profile: str, pool: tuple[int, int], unit: str | None) -> FleetWorkers:
+    """`count` workers of `profile` with `pool` (block size, blocks), counting in `unit` (SIM_UNITS;
+    None: the gateway's tokens). blocks64 keeps the pool's tokens, in blocks of 64."""
+    block_size, num_blocks = pool
+    if unit is None:
+        return FleetWorkers(SimWorkers(count, profile, block_size, num_blocks))
+    if unit == "words":
+        return FleetWorkers(SimWorkers(count, profile, block_size, num_blocks), ("--sim-tokenizer", "words"))
+    if unit == "blocks64":
+        return FleetWorkers(SimWorkers(count, profile, BLOCKS64, max(1, num_blocks * block_size // BLOCKS64)))
+    raise ValueError(f"unit must be one of {SIM_UNITS}, got {unit!r}")
+
+
+@contextlib.contextmanager
+def row_workers(
+    workdir: Path, workers: FleetWorkers, kv_events: bool = False
+) -> Iterator[tuple[LocalFleet, list[str]]]:
+    """Fresh workers (empty caches), all ready, and (with `kv_events`) the endpoints where each
+    publishes its KV events in vLLM's wire format, for a router that follows them. Stopped on the
+    way out, with whatever else was added to the fleet."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    fleet, endpoints = LocalFleet([], None), []
+    try:
+        for i in range(workers.spec.count):
+            port = free_port()
+            command = [*worker_command(workers.spec, f"w{i}", port), *workers.flags]
+            if kv_events:
+                endpoints.append(f"tcp://127.0.0.1:{free_port()}")
+                command += [
+                    "--kv-events-zmq",
+                    endpoints[-1],
+                    "--kv-events-replay",
+                    f"tcp://127.0.0.1:{free_port()}",
+                ]
+            fleet.workers.append(spawn(f"worker-w{i}", command, f"http://127.0.0.1:{port}", workdir))
+        wait_ready(fleet)
+        yield fleet, endpoints
+    finally:
+        stop(fleet.children)
+
+
 @contextlib.contextmanager
 def row_fleet(
-    workdir: Path, spec: SimWorkers, policy: str, mode: Mode, pool: tuple[int, int]
+    workdir: Path,
+    workers: FleetWorkers,
+    policy: str,
+    mode: Mode,
+    pool: tuple[int, int],
+    text: bool = False,
 ) -> Iterator[str]:
     """Fresh workers (empty caches) and a gateway over them with the row's policy and mode, all ready;
     yields the gateway's URL and stops everything on the way out."""
-    with local_fleet(workdir, spec) as fleet:
+    with row_workers(workdir, workers) as (fleet, _):
         port = free_port()
         config = workdir / "gateway.yaml"
         urls = [w.url for w in fleet.workers]
-        config.write_text(yaml.safe_dump(row_gateway_config(spec.model, urls, policy, mode, pool, port)))
+        model = workers.spec.model
+        config.write_text(yaml.safe_dump(row_gateway_config(model, urls, policy, mode, pool, port, text)))
         command = cli("serve", "--config", str(config), "--log-level", "WARNING")
         fleet.gateway = spawn("gateway", command, f"http://127.0.0.1:{port}", workdir)
         try:
@@ -549,6 +698,21 @@ def row_fleet(
             yield fleet.gateway.url
         finally:
             stop([fleet.gateway])
+
+
+@contextlib.contextmanager
+def peer_fleet(workdir: Path, workers: FleetWorkers, router: str) -> Iterator[str]:
+    """Fresh workers and the peer router over them, all ready; yields the router's URL. Workers
+    publish KV events for the router that follows them (kv_aware)."""
+    kv_aware = router.endswith("kv_aware")
+    with row_workers(workdir, workers, kv_events=kv_aware) as (fleet, endpoints):
+        urls = [w.url for w in fleet.workers]
+        events = endpoints if kv_aware else None
+        model = workers.spec.model
+        with peer_router(
+            router, urls, workdir, kv_events=events, block_size=workers.block_size, model=model
+        ) as url:
+            yield url
 
 
 # -- command line ------------------------------------------------------------------------------------
@@ -585,6 +749,20 @@ def _mode(item: str) -> Mode:
         if capacity_factor is None or capacity_factor > 0:
             return Mode(False, capacity_factor)
     raise ValueError(item)
+
+
+def _peers(text: str) -> tuple[str, ...]:
+    """Peer rows, comma-separated: a row's full name (bench.peers.PEER_ROWS) or a router's, for all of
+    its rows (sglang, vllm-router)."""
+    rows: list[str] = []
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        named = [r for r in PEER_ROWS if r == item or r.startswith(f"{item} ")]
+        if not named:
+            raise argparse.ArgumentTypeError(
+                f"expected rows of {', '.join(PEER_ROWS)} or a router's name; got {item!r}"
+            )
+        rows += [r for r in named if r not in rows]
+    return tuple(rows)
 
 
 def _modes(text: str) -> tuple[Mode, ...]:
@@ -624,8 +802,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workload",
         choices=WORKLOADS,
         default=None,
-        help="generated (bench.workloads): multi-tenant agent sessions, grouped shared prefixes, or "
-        "long prompts with long answers (longmix)",
+        help="generated (bench.workloads): multi-tenant agent sessions (agent; agent-zipf: Zipf tenants; "
+        "agent-tools: long tool results; agent-think: long think times), grouped shared prefixes, or long "
+        "prompts with long answers (longmix)",
     )
     parser.add_argument(
         "--rate",
@@ -638,14 +817,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--duration",
         type=float,
         default=None,
-        help=f"seconds of sending (--sim-fleet default: {FLEET_DURATION_S:g}); agent: the window "
-        f"sessions start in, each then running to its end (default {AgentParams().start_window_s:g}); "
-        "grouped: all prompts when absent",
+        help=f"seconds of sending (--sim-fleet default: {FLEET_DURATION_S:g}); agent workloads: the "
+        "window sessions start in, each then running to its end (default: the workload's, agent "
+        f"{AgentParams().start_window_s:g}); grouped: all prompts when absent",
     )
     parser.add_argument(
-        "--sessions", type=int, default=None, help=f"agent sessions ({AgentParams().sessions})"
+        "--sessions",
+        type=int,
+        default=None,
+        help=f"agent workloads' sessions (the workload's: agent {AgentParams().sessions})",
     )
     parser.add_argument("--json", default=None, help="write the summary here, and a PNG next to it")
+    parser.add_argument(
+        "--text",
+        action="store_true",
+        help="send prompts as text, one made-up word per token id (bench.words), for servers that "
+        "tokenize; --sim-fleet: with --sim-unit words, and a gateway tokenizing with SmolLM2's tokenizer",
+    )
     parser.add_argument("--model", default=None, help="default: the first of GET /v1/models")
     parser.add_argument("--api-key", default=None, help="default: $PREFIXGATE_API_KEY or 'none'")
     parser.add_argument(
@@ -667,9 +855,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument(
         "--modes",
         type=_modes,
-        default=FLEET_MODES,
+        default=None,
         help="for the policies that read the index, a row each: precise, approx (no capacity told), "
-        "approx:F (F x the workers' pool); default: approx:0.25,approx:1,approx:16,approx,precise",
+        "approx:F (F x the workers' pool); default: approx:0.25,approx:1,approx:16,approx,precise "
+        "(with --sim-unit, all but precise)",
+    )
+    fleet.add_argument(
+        "--sim-unit",
+        choices=SIM_UNITS,
+        default=None,
+        help="workers counting in their own unit, declared to the gateway as foreign (kind: openai) in "
+        "every row: words (one token per word of the --text prompts, which the gateway reads with "
+        f"SmolLM2's tokenizer) or blocks64 (the gateway's tokens, in KV blocks of {BLOCKS64})",
+    )
+    fleet.add_argument(
+        "--peers",
+        type=_peers,
+        default=(),
+        help="peer routers, a row each over fresh workers (bench.peers, installed from PyPI on first use): "
+        f"{', '.join(PEER_ROWS)}, or a router's name for all its rows (sglang, vllm-router); "
+        "comma-separated; sglang reads text prompts only (--text --sim-unit words)",
     )
     fleet.add_argument(
         "--parallel",
@@ -724,6 +929,8 @@ def fill_fleet_defaults(args: argparse.Namespace) -> None:
         args.rate = FLEET_RATE if args.rate is None else args.rate
     if args.sim_fleet is not None and args.duration is None and args.workload is None:
         args.duration = FLEET_DURATION_S
+    if args.modes is None:
+        args.modes = FLEET_MODES if args.sim_unit is None else tuple(m for m in FLEET_MODES if not m.precise)
     if not (chosen or args.shared_prefix is not None):
         raise SystemExit("prefixgate bench replay: give a workload, --trace, --shared-prefix or --workload")
     if args.duration is None and args.workload is None:
@@ -735,7 +942,7 @@ def fill_fleet_defaults(args: argparse.Namespace) -> None:
 def _pace(args: argparse.Namespace, name: str, params: dict[str, Any], sessions: Sequence[Session]) -> str:
     """How the workload is paced, for the titles."""
     speed = f" at speed {args.speed:g}" if args.speed != 1 else ""
-    if name == "agent":
+    if name in AGENT_WORKLOADS:
         return f"{len(sessions)} sessions starting within {params['start_window_s']:g} s{speed}"
     if name in ("grouped", "longmix"):
         return f"{len(sessions)} prompts at {params['rate']:g} req/s{speed}"
@@ -756,6 +963,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             api_key=args.api_key or os.environ.get("PREFIXGATE_API_KEY", "none"),
             concurrency_limit=args.concurrency_limit,
             timeout_s=args.timeout,
+            text=args.text,
         )
     )
     payload = {
@@ -782,16 +990,44 @@ def imbalance(requests_per_replica: dict[str, int], replicas: int) -> float:
     return max(requests_per_replica.values(), default=0) * replicas / total if total else 0.0
 
 
+def _check_fleet_flags(args: argparse.Namespace) -> None:
+    """What --sim-fleet's workers can serve: text only where they count words, KV events in the
+    gateway's unit only, and sglang-router only with text prompts."""
+    if args.sim_fleet < 1 or args.parallel < 1:
+        raise SystemExit("prefixgate bench replay: --sim-fleet and --parallel need at least 1")
+    if args.text != (args.sim_unit == "words"):
+        raise SystemExit(
+            "prefixgate bench replay: --text and --sim-unit words go together with --sim-fleet: only "
+            "simulated workers that count words read text"
+        )
+    if args.sim_unit is not None and any(m.precise for m in args.modes):
+        raise SystemExit(
+            "prefixgate bench replay: --sim-unit: the gateway follows no KV events in another unit; "
+            "give approx modes only"
+        )
+    if not args.text and any(r.startswith("sglang") for r in args.peers):
+        raise SystemExit(
+            "prefixgate bench replay: sglang-router routes text prompts only: --text --sim-unit words"
+        )
+
+
 def _run_fleet(
     args: argparse.Namespace, name: str, params: dict[str, Any], sessions: list[Session]
 ) -> dict[str, Any]:
-    """Per row: fresh workers (empty caches), a gateway with the row's policy and mode, the same
-    sessions; `--parallel` rows at a time, each wave's fleets stopped before the next starts."""
-    if args.sim_fleet < 1 or args.parallel < 1:
-        raise SystemExit("prefixgate bench replay: --sim-fleet and --parallel need at least 1")
-    spec = SimWorkers(args.sim_fleet, args.sim_profile, args.block_size, args.num_blocks)
+    """Per row: fresh workers (empty caches), a gateway with the row's policy and mode (or a peer
+    router), the same sessions; `--parallel` rows at a time, each wave's fleets stopped before the
+    next starts."""
+    _check_fleet_flags(args)
     pool = (args.block_size, args.num_blocks)
-    plan = fleet_rows(args.policies, args.modes)
+    workers = fleet_workers(args.sim_fleet, args.sim_profile, pool, args.sim_unit)
+    spec = workers.spec
+    plain = PRECISE if args.sim_unit is None else APPROX
+    plan: list[Row | PeerRow] = [*fleet_rows(args.policies, args.modes, plain), *map(PeerRow, args.peers)]
+
+    def serve(fleets: contextlib.ExitStack, workdir: Path, row: Row | PeerRow) -> str:
+        if isinstance(row, PeerRow):
+            return fleets.enter_context(peer_fleet(workdir, workers, row.router))
+        return fleets.enter_context(row_fleet(workdir, workers, row.policy, row.mode, pool, args.text))
 
     async def wave_replays(urls: list[str], first: int) -> list[ReplayResult]:
         return await asyncio.gather(
@@ -804,6 +1040,8 @@ def _run_fleet(
                     timeout_s=args.timeout,
                     label=f"{first + j + 1}/{len(plan)} {plan[first + j].name}",
                     position=j,
+                    text=args.text,
+                    replica_header=WORKER_HEADER if isinstance(plan[first + j], PeerRow) else REPLICA_HEADER,
                 )
                 for j, url in enumerate(urls)
             )
@@ -814,22 +1052,25 @@ def _run_fleet(
         for first in range(0, len(plan), args.parallel):
             wave = plan[first : first + args.parallel]
             with contextlib.ExitStack() as fleets:
-                urls = [
-                    fleets.enter_context(
-                        row_fleet(Path(tmp) / f"row{first + j}", spec, row.policy, row.mode, pool)
-                    )
-                    for j, row in enumerate(wave)
-                ]
+                urls = [serve(fleets, Path(tmp) / f"row{first + j}", row) for j, row in enumerate(wave)]
                 results = asyncio.run(wave_replays(urls, first))
             for row, result in zip(wave, results, strict=True):
                 summary = result.summary()
+                how = (
+                    {"policy": row.router, "mode": "peer", "capacity_blocks": None}
+                    if isinstance(row, PeerRow)
+                    else {
+                        "policy": row.policy,
+                        "mode": row.mode.name,
+                        "capacity_blocks": row.mode.capacity_blocks(args.num_blocks),
+                    }
+                )
                 rows[row.name] = {
                     **summary,
-                    "policy": row.policy,
-                    "mode": row.mode.name,
-                    "capacity_blocks": row.mode.capacity_blocks(args.num_blocks),
+                    **how,
                     "imbalance": imbalance(summary["requests_per_replica"], spec.count),
                 }
+    unit = args.sim_unit or "tokens"
     payload = {
         "workload": name,
         "workload_params": params,
@@ -837,13 +1078,17 @@ def _run_fleet(
         "rate": args.rate,
         "duration_s": args.duration,
         "speed": args.speed,
-        "sim_fleet": {**dataclasses.asdict(spec), "model": spec.model},
+        "text": args.text,
+        "sim_fleet": {**dataclasses.asdict(spec), "model": spec.model, "unit": unit},
         "policies": rows,
     }
+    counted = {"tokens": "", "words": " words", "blocks64": " tokens"}[unit]
     title = (
         f"replay: {name}, {_pace(args, name, params, sessions)} through the gateway over {spec.count} "
-        f"{spec.profile} workers ({spec.num_blocks} blocks of {spec.block_size})"
+        f"{spec.profile} workers ({spec.num_blocks} blocks of {spec.block_size}{counted})"
     )
+    if args.text:
+        title += ", text prompts"
     print(_fleet_tables(title, payload))
     if args.json:
         write_json(args.json, payload)
@@ -866,9 +1111,18 @@ def _fleet_tables(title: str, p: dict[str, Any]) -> str:
     for policy, r in p["policies"].items():
         latency = ["-" if r[key][s] is None else r[key][s] for _, key, s in _FLEET_COLUMNS]
         errors = ", ".join(f"{k}={v}" for k, v in r["errors"].items()) or "0"
-        rows.append([policy, *latency, r["hit_rate"], r["imbalance"], r["completed"], errors])
+        moved = "-" if r["moved_turns"] is None else r["moved_turns"]
+        rows.append([policy, *latency, r["hit_rate"], r["imbalance"], moved, r["completed"], errors])
         spread.append([policy, *(r["requests_per_replica"].get(w, 0) for w in replicas)])
-    header = ["policy", *(c[0] for c in _FLEET_COLUMNS), "hit rate", "imbalance", "completed", "errors"]
+    header = [
+        "policy",
+        *(c[0] for c in _FLEET_COLUMNS),
+        "hit rate",
+        "imbalance",
+        "moved turns",
+        "completed",
+        "errors",
+    ]
     return "\n\n".join(
         [
             format_table(title, header, rows),
@@ -888,10 +1142,12 @@ def _fleet_panels(p: dict[str, Any]) -> list[tuple[str, dict[str, float]]]:
         (name, {policy: r[key][s] for policy, r in rows.items() if r[key][s] is not None})
         for name, key, s in _FLEET_COLUMNS
     ]
+    moved = {policy: r["moved_turns"] for policy, r in rows.items() if r["moved_turns"] is not None}
     return [
         *panels,
         ("hit rate", {policy: r["hit_rate"] for policy, r in rows.items()}),
         ("imbalance (max/mean)", {policy: r["imbalance"] for policy, r in rows.items()}),
+        *([("moved turns", moved)] if moved else []),
     ]
 
 
@@ -902,11 +1158,16 @@ def _tables(title: str, p: dict[str, Any]) -> str:
     stats = ["mean", *(f"p{q}" for q in PERCENTILES)]
     latency = [[name, *("-" if p[key][s] is None else p[key][s] for s in stats)] for name, key in _LATENCIES]
     errors = ", ".join(f"{k}={v}" for k, v in p["errors"].items()) or "0"
-    totals = [[p["sent"], p["completed"], errors, p["hit_rate"], p["throughput_req_s"], p["output_tok_s"]]]
+    moved = "-" if p["moved_turns"] is None else p["moved_turns"]
+    totals = [
+        [p["sent"], p["completed"], errors, p["hit_rate"], moved, p["throughput_req_s"], p["output_tok_s"]]
+    ]
     replicas = [[r, n] for r, n in p["requests_per_replica"].items()]
     tables = [
         format_table(title, ["latency", *stats], latency),
-        format_table("totals", ["sent", "completed", "errors", "hit rate", "req/s", "out tok/s"], totals),
+        format_table(
+            "totals", ["sent", "completed", "errors", "hit rate", "moved turns", "req/s", "out tok/s"], totals
+        ),
     ]
     if replicas:
         tables.append(format_table("requests per replica", ["replica", "requests"], replicas))

@@ -15,11 +15,15 @@ the history before it does, which is the reuse that routing decides.
 Each generator is a pure function of its parameters: one seed, one workload, and random streams
 keyed by (seed, purpose, index) so that more tenants, sessions or groups leave the existing ones
 as they were.
+
+The named workloads (`--workload` of both benches) are split in two: TUNED, the shapes a policy is
+designed and tuned against, and HELD_OUT, shapes it is only checked on (DESIGN §7: tune for the
+shape, not for one workload). `longmix` is in neither: it is disaggregation's workload, not routing's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -29,7 +33,7 @@ import numpy as np
 TOKEN_LOW, TOKEN_HIGH = 1000, 30000
 
 # Keys of the random streams: one purpose each, so that drawing more of one never shifts another.
-_TENANT, _SESSION, _GROUP, _ORDER, _TIMES = range(5)
+_TENANT, _SESSION, _GROUP, _ORDER, _TIMES, _TENANT_PICK = range(6)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +97,12 @@ class AgentParams:
 
     Sizes are tokens (~400 words is ~530 tokens). A turn's prompt is the session's history: the
     tenant's system prompt, then per earlier turn the user's message, the assistant's answer and,
-    in about `tool_share` of the turns, a tool result."""
+    in about `tool_share` of the turns, a tool result. Sessions go to the tenants in turn, or with
+    `tenant_zipf` S > 0 each to a tenant drawn with weight (rank)^-S: a few hot tenants and a long
+    tail, as a shared service's tenants are."""
 
     tenants: int = 12
+    tenant_zipf: float = 0.0
     system_tokens: int = 530
     sessions: int = 53
     min_turns: int = 4
@@ -123,21 +130,34 @@ class AgentParams:
             raise ValueError("max_output_tokens must be at least min_output_tokens")
         if min(self.system_tokens, self.tool_tokens, self.think_base_s, self.think_mean_s) < 0:
             raise ValueError("token counts and think times must not be negative")
+        if self.tenant_zipf < 0:
+            raise ValueError(f"tenant_zipf must not be negative, got {self.tenant_zipf}")
         if not 0.0 <= self.tool_share <= 1.0 or self.start_window_s < 0:
             raise ValueError("tool_share must be within [0, 1] and start_window_s not negative")
 
 
+def tenant_weights(tenants: int, zipf: float) -> np.ndarray:
+    """Each tenant's share of the sessions: (rank)^-zipf, normalised (zipf 0: all equal)."""
+    weights = np.arange(1, tenants + 1, dtype=float) ** -zipf
+    return weights / weights.sum()
+
+
 def agent_sessions(params: AgentParams | None = None) -> list[Session]:
-    """`params.sessions` agent sessions by start time, assigned to the tenants in turn."""
+    """`params.sessions` agent sessions by start time, assigned to the tenants in turn or, with
+    `tenant_zipf`, drawn by Zipf weight (from a stream of their own, so that the sessions' contents
+    are those of the same sessions assigned in turn)."""
     p = params or AgentParams()
     systems = [_ids(np.random.default_rng([p.seed, _TENANT, t]), p.system_tokens) for t in range(p.tenants)]
+    weights = tenant_weights(p.tenants, p.tenant_zipf)
     sessions = []
     for i in range(p.sessions):
+        if p.tenant_zipf:
+            tenant = int(np.random.default_rng([p.seed, _TENANT_PICK, i]).choice(p.tenants, p=weights))
+        else:
+            tenant = i % p.tenants
         rng = np.random.default_rng([p.seed, _SESSION, i])
         start = float(rng.uniform(0.0, p.start_window_s))
-        history = systems[i % p.tenants] + _ids(
-            rng, int(rng.integers(p.min_user_tokens, p.max_user_tokens + 1))
-        )
+        history = systems[tenant] + _ids(rng, int(rng.integers(p.min_user_tokens, p.max_user_tokens + 1)))
         turns = []
         for k in range(int(rng.integers(p.min_turns, p.max_turns + 1))):
             think = p.think_base_s + float(rng.exponential(p.think_mean_s)) if k else 0.0
@@ -147,8 +167,32 @@ def agent_sessions(params: AgentParams | None = None) -> list[Session]:
             if rng.random() < p.tool_share:
                 history += _ids(rng, p.tool_tokens)
             history += _ids(rng, int(rng.integers(p.min_user_tokens, p.max_user_tokens + 1)))
-        sessions.append(Session(start, tuple(turns), key=f"tenant{i % p.tenants}-session{i}"))
+        sessions.append(Session(start, tuple(turns), key=f"tenant{tenant}-session{i}"))
     return sorted(sessions, key=lambda s: s.start_s)
+
+
+# The agent workloads by name. Each keeps the default agent's arrival rate of sessions (53 in 20 s).
+AGENT_WORKLOADS: Mapping[str, AgentParams] = {
+    "agent": AgentParams(),
+    # 24 tenants by Zipf weight 1.1: the hottest has 30% of the sessions, the next three 30% between
+    # them, the coldest twelve 1-2% each: a few system prompts are worth a replica's cache, most not.
+    "agent-zipf": AgentParams(tenants=24, tenant_zipf=1.1, sessions=106, start_window_s=40.0),
+    # Tool results of 3000 tokens (a file read, a search page, a test log) in half the turns: each
+    # such turn adds more to the history than the system prompt and the messages together.
+    "agent-tools": AgentParams(tool_tokens=3000),
+    # Thinking 15 s + Exp(30 s) between turns, where the default agent thinks 3.5 s on average: the
+    # caches of a pressured fleet turn over in seconds, so between two turns of a session the
+    # replica that served it has had the time to evict its history for the other sessions' traffic.
+    "agent-think": AgentParams(think_base_s=15.0, think_mean_s=30.0, sessions=159, start_window_s=60.0),
+}
+
+TUNED: tuple[str, ...] = ("agent", "grouped", "agent-zipf")
+"""The named workloads a routing policy may be designed, tuned and compared on."""
+
+HELD_OUT: tuple[str, ...] = ("agent-tools", "agent-think")
+"""Held out: workloads of the same family that no policy or default may be tuned on. They are only
+run to check that what was tuned on TUNED generalises; a change made because of their numbers makes
+them tuned, and then nothing checks generalisation any more."""
 
 
 # -- grouped shared prefixes ----------------------------------------------------------------------

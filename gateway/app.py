@@ -214,7 +214,7 @@ async def _route_and_forward(gw: Gateway, request: web.Request, route: Route) ->
     replicas = gw.replicas.serving(model) if model is not None else gw.replicas.all()
     tokens = await gw.tokenizers.prompt_ids(view, model) if model is not None else None
     decision = await _decide(gw, request, route, view, replicas, tokens)
-    predicted = recorded_tick = None
+    predicted = recorded_tick = in_flight = None
     if route in PREFIX_ROUTES:
         gw.metrics.child(gw.metrics.decision, decision.policy).observe(decision.seconds)
         chosen = gw.replicas.get(decision.order[0]) if decision.order else None
@@ -225,6 +225,12 @@ async def _route_and_forward(gw: Gateway, request: web.Request, route: Route) ->
             predicted = gw.index.predicted(chosen.id, hashes, chosen.pending_horizon())
             recorded_tick = gw.index.tick_now(chosen.id)
             gw.predictions.record(chosen.id, hashes, time.time())
+        elif chosen is not None and hashes:
+            # An exact replica holds the prompt once it has computed it, which its events will say; a
+            # request sent there meanwhile waits for that prefill anyway and then reuses it. So until
+            # this request ends its prompt counts as held there (RadixIndex.settle).
+            in_flight = (chosen.id, hashes)
+            gw.index.insert(chosen.id, hashes, expires_at=time.time() + gw.config.limits.request_timeout_s)
     routed = Routed(
         route=route,
         model=model or "",
@@ -241,7 +247,11 @@ async def _route_and_forward(gw: Gateway, request: web.Request, route: Route) ->
         predicted=predicted,
         recorded_tick=recorded_tick,
     )
-    return await forward(gw, request, routed)
+    try:
+        return await forward(gw, request, routed)
+    finally:
+        if in_flight is not None:
+            gw.index.settle(*in_flight)
 
 
 async def _decide(

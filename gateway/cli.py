@@ -28,6 +28,7 @@ BENCHMARKS = {
     "overhead": ("bench.overhead", "the gateway's added latency and capacity"),
     "chaos": ("bench.chaos", "fault scenarios on a live fleet, with a results table"),
     "soak": ("bench.soak", "minutes of load through two gateways: memory, index size, errors"),
+    "vllm": ("bench.vllm_bench", "routers compared on real vLLM servers on this CPU (a venv of its own)"),
 }
 
 

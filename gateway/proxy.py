@@ -49,6 +49,7 @@ from gateway.upstream import UpstreamError, UpstreamResponse, error_kind
 from protocol.errors import CLIENT_GONE, ApiError
 from protocol.openai_responses import CACHED_TOKENS_HEADER, SSE_DONE, sse
 from radix.index import Predicted
+from radix.reports import realised_blocks
 
 REPLICA_HEADER = "x-prefixgate-replica"
 MATCHED_BLOCKS_HEADER = "x-prefixgate-matched-blocks"
@@ -195,13 +196,15 @@ def _response_headers(upstream: Mapping[str, str], attempt: _Attempt, routed: Ro
     return headers
 
 
-def _usage(headers: Mapping[str, str], tail: bytes) -> tuple[int | None, int | None]:
-    """(prompt_tokens, cached_tokens) as the replica reported them: a bundled worker's header (its
-    prompt is the gateway's), else the usage object at the end of its answer."""
+def _usage(headers: Mapping[str, str], tail: bytes, replica: Replica) -> tuple[int | None, int | None]:
+    """(prompt_tokens, cached_tokens) as the replica reported them: the usage object at the end of its
+    answer, which counts both in the replica's own unit; without one, a bundled worker's header, whose
+    count is of the gateway's ids (a worker declared foreign tokenizes the text itself, in its own)."""
+    prompt, cached = usage_numbers(tail)
     value = headers.get(CACHED_TOKENS_HEADER)
-    if value is not None and value.isdigit():
-        return None, int(value)
-    return usage_numbers(tail)
+    if cached is None and replica.kind == "bundled" and value is not None and value.isascii():
+        return (None, int(value)) if value.isdigit() else (None, None)
+    return prompt, cached
 
 
 async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.StreamResponse:
@@ -394,11 +397,11 @@ def _learn(
 ) -> None:
     """Correct the predicted cache of `replica` by what it reports it reused of this prompt.
 
-    The report counts the replica's own tokens, which need not be the gateway's (another tokenizer):
-    it is read as the share of the prompt reused, and a block short of the prediction is then
-    rounding, not evidence. A replica that was not the first choice was not predicted to hold the
-    prompt; it has it now. A decode replica paired with a prefill replica received the prompt's KV:
-    what it reports reusing says nothing of what it held before."""
+    The report counts the replica's own tokens in its own blocks, which need not be the gateway's:
+    radix.reports reads it in the gateway's blocks, a shortfall within its rounding being no evidence.
+    A replica that was not the first choice was not predicted to hold the prompt; it has it now. A
+    decode replica paired with a prefill replica received the prompt's KV: what it reports reusing
+    says nothing of what it held before."""
     hashes = routed.decision.hashes.get(replica.block_size)
     if routed.route not in PREFIX_ROUTES or not hashes or gw.precise(replica):
         return
@@ -409,12 +412,16 @@ def _learn(
         )
         if predicted is None:
             return
-        ours = routed.decision.prompt_tokens
-        exact = reported_prompt is None or reported_prompt == ours
-        reused = cached if exact else cached * ours // max(reported_prompt or 1, 1)
-        realised = min(reused // replica.block_size, len(hashes))
-        if not exact and realised == predicted.blocks - 1:
-            realised = predicted.blocks
+        replica.reported.observe(cached)
+        realised = realised_blocks(
+            predicted.blocks,
+            cached,
+            reported_prompt,
+            routed.decision.prompt_tokens,
+            replica.block_size,
+            replica.reported.block(replica.block_size),
+            len(hashes),
+        )
         gw.predictions.learn(replica.id, predicted, realised)
     if not first:
         gw.predictions.record(replica.id, hashes)
@@ -438,7 +445,7 @@ async def _relay_body(
             response_id = _response_id(body)
             if response_id is not None:
                 await gw.response_owners.remember(response_id, attempt.replica.id)
-    _account(gw, routed, attempt, status, _usage(headers, body[-_TAIL_BYTES:]))
+    _account(gw, routed, attempt, status, _usage(headers, body[-_TAIL_BYTES:], attempt.replica))
     return web.Response(body=body, status=status, headers=_response_headers(headers, attempt, routed))
 
 
@@ -508,12 +515,12 @@ async def _relay_stream(
         # the replica's end of stream.
         if status == 200 and not tail.endswith(SSE_DONE):
             status = CLIENT_GONE
-        _account(gw, routed, attempt, status, _usage(upstream.headers, tail))
+        _account(gw, routed, attempt, status, _usage(upstream.headers, tail, attempt.replica))
         request[ACCOUNTED] = True
         if isinstance(error, asyncio.CancelledError):
             raise
         return response
-    _account(gw, routed, attempt, status, _usage(upstream.headers, tail))
+    _account(gw, routed, attempt, status, _usage(upstream.headers, tail, attempt.replica))
     return response
 
 

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from policies import ReplicaView, Role
 from radix.index import pending_horizon
+from radix.reports import ReportedUnit
 
 Kind = Literal["bundled", "openai"]
 Source = Literal["config", "registry", "admin"]
@@ -76,6 +77,8 @@ class Replica:
     role: Role = "mixed"
     pd_protocol: str | None = None
     bootstrap_port: int | None = None
+    # Its KV block in its own tokens, from the cached tokens it reports (radix.reports).
+    reported: ReportedUnit = field(default_factory=ReportedUnit)
 
     @property
     def routable(self) -> bool:

@@ -95,7 +95,11 @@ def decide(
             if chain:
                 matched |= index.match(chain)
     rates = routing_rates(replicas)
-    views = [r.view(matched.get(r.id, 0), index.blocks_of(r.id), rates[r.id]) for r in replicas]
+    prompt = len(tokens or ())
+    views = [
+        r.view(reusable(matched.get(r.id, 0), prompt, r.block_size), index.blocks_of(r.id), rates[r.id])
+        for r in replicas
+    ]
     first = min(hashes) if hashes else None
     request = RouteRequest(
         prompt_tokens=len(tokens or ()),
@@ -111,6 +115,12 @@ def decide(
         order, name = policy.choose(request, views), policy.name
     seconds = time.perf_counter() - start
     return Decision(order, views, hashes, len(tokens or ()), seconds, name, prefill)
+
+
+def reusable(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """Of a prompt's matched blocks, those a replica can reuse: an engine computes at least the prompt's
+    last token, so a block that ends the prompt is computed again even where it is cached."""
+    return min(matched_blocks, max(prompt_tokens - 1, 0) // block_size)
 
 
 def routing_rates(replicas: list[Replica]) -> dict[str, float]:

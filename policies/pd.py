@@ -20,7 +20,7 @@ transfer, and starts sooner than anywhere else unless that replica is much busie
 all need a transfer, start is the same and the fewest sequences win. A replica whose free KV blocks
 cannot hold the prompt's uncached blocks, or whose queue is at its limit, ranks after every other (as
 prefix_aware's saturated ones do): admitted, the request would wait for blocks or preempt others.
-Costs within prefix_aware's `tie_tolerance_s` of the best are equal: then the fewest sequences, then
+Costs within `tie_tolerance_s` of the best are equal: then the fewest sequences, then
 the most free blocks, then by the prompt's first block, so that one prefix's ties go where it went.
 
 Which prefill replica: prefix_aware's own ranking among the prefill replicas that speak the decode
@@ -55,6 +55,8 @@ class PdConfig(BaseModel):
     min_transfer_tokens: int = Field(256, ge=0)
     # Seconds charged per sequence an answering replica already runs or queues.
     decode_penalty_s: float = Field(0.01, ge=0.0, le=10.0)
+    # Costs closer than this to the best are a tie, broken by sequences, free blocks, then prefix.
+    tie_tolerance_s: float = Field(0.001, ge=0.0, le=10.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +118,7 @@ class PrefillDecode:
         if not rows:
             return []
         best = min(rows, key=lambda row: (row.short, row.cost))
-        tolerance = self.prefill.config.tie_tolerance_s
+        tolerance = self.config.tie_tolerance_s
 
         def rank(row: _Row) -> tuple[bool, float, int, int]:
             if row.short == best.short and row.cost - best.cost <= tolerance:

@@ -237,6 +237,22 @@ class RadixIndex:
         self._entries -= removed
         self._timed -= timed
 
+    def settle(self, replica: str, hashes: Iterable[int]) -> None:
+        """A request that was recorded on an exact replica as in flight (timed entries, until its KV
+        events confirm them) has ended: what its events did not confirm, the replica does not hold.
+        A replica no longer in the index is ignored."""
+        state = self._replicas.get(replica)
+        if state is None:
+            return
+        blocks = state.blocks
+        for h in hashes:
+            expiry = blocks.get(h)
+            if expiry is not None and expiry != NEVER:
+                del blocks[h]
+                if state.ticks is not None:
+                    del state.ticks[h]
+                self._forget(h, state.bit, expiry)
+
     def expire(self, now: float) -> int:
         """Drop predicted entries whose expiry is at or before `now`; returns how many."""
         deadlines = self._deadlines

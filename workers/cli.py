@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from workers.kv_events import KVEventLog
     from workers.server import Context, Worker
     from workers.sim.engine import SimEngine
+    from workers.sim.words import WordTokenizer
 
 DEFAULT_PORT = 8101
 DEFAULT_BLOCK_SIZE = 16
@@ -32,6 +33,8 @@ DEFAULT_BLOCK_SIZE = 16
 _ANY_HOST = ("", "0.0.0.0", "::")
 SIM_BACKEND = "sim"
 SIM_BACKEND_REASON = "--sim: a cost model stands in for the model, there is no attention to run"
+# What a simulated worker reads text prompts with: nothing (token ids only), or words as tokens.
+SIM_TOKENIZERS = ("none", "words")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 
 
@@ -154,12 +157,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sim = parser.add_argument_group("simulated engine")
     sim.add_argument(
-        "--sim", action="store_true", help="serve a cost model instead of a model (prompts as token ids)"
+        "--sim",
+        action="store_true",
+        help="serve a cost model instead of a model (prompts as token ids, or as text with --sim-tokenizer)",
     )
     sim.add_argument(
         "--sim-profile",
         default="cpu-smollm2",
         help="built-in profile (cpu-smollm2, h100-8b) or a calibrated .json; its pool and batch limits apply",
+    )
+    sim.add_argument(
+        "--sim-tokenizer",
+        choices=SIM_TOKENIZERS,
+        default="none",
+        help="how text prompts are read: not at all (none: token ids only), or one token per "
+        "whitespace-separated word (words: usage and KV blocks count words, a unit of its own)",
     )
     redis = parser.add_argument_group("shared state in Redis")
     redis.add_argument("--redis", default=None, metavar="URL", help="publish registry, KV events and load")
@@ -271,14 +283,26 @@ def _expert_parallel_engine(args: argparse.Namespace, events: KVEventLog) -> Eng
     return group.engine
 
 
+def sim_tokenizer(name: str, vocab_size: int) -> WordTokenizer | None:
+    """The --sim-tokenizer named, over the simulated engine's vocabulary (none: None)."""
+    if name == "none":
+        return None
+    from workers.sim.words import WordTokenizer
+
+    return WordTokenizer(vocab_size)
+
+
 def build_worker(args: argparse.Namespace) -> Worker:
     from workers.kv_events import KVEventLog
     from workers.server import Worker
 
     # vLLM's events carry each stored block's tokens, which the log keeps only for that publisher.
     events = KVEventLog(keep_tokens=args.kv_events_zmq is not None)
+    if args.sim_tokenizer != "none" and not args.sim:
+        raise SystemExit("prefixgate worker: --sim-tokenizer is for --sim; a model brings its own tokenizer")
     engine, backend, reason = build_engine(args, events)
     worker_id = args.worker_id or f"{socket.gethostname()}:{args.port}"
+    tokenizer = sim_tokenizer(args.sim_tokenizer, engine.vocab_size) if args.sim else None
     return Worker.around(
         engine,
         events,
@@ -286,6 +310,7 @@ def build_worker(args: argparse.Namespace) -> Worker:
         backend=backend,
         backend_reason=reason,
         role=args.role,
+        tokenizer=tokenizer,
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body,
         transfer_port=args.kv_transfer_port,

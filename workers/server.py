@@ -60,6 +60,7 @@ from workers.openai_sampling import sampling_params
 
 if TYPE_CHECKING:
     from workers.sim.engine import SimEngine
+    from workers.sim.words import WordTokenizer
 
 log = logging.getLogger("prefixgate.worker")
 
@@ -67,6 +68,9 @@ DEFAULT_MAX_WAITING = 256
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 MAX_EVENTS_TIMEOUT_S = 60.0
 DEFAULT_EVENTS_LIMIT = 1024
+# Every answer names the worker that computed it: behind a router that says nothing of its choice
+# (a peer router in the benchmarks), the client can still tell where each request went.
+WORKER_HEADER = "x-prefixgate-worker"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +99,9 @@ class WorkerInfo:
 class Worker:
     # The engine loop in its thread (the model's, or the simulated engine's).
     front: AsyncLLM
-    # None for an engine without one (the simulated engine): prompts must then come as token ids.
-    tokenizer: Tokenizer | None
+    # None for an engine without one (the simulated engine): prompts must then come as token ids. A
+    # simulated engine may be given one that counts words (workers.sim.words).
+    tokenizer: Tokenizer | WordTokenizer | None
     info: WorkerInfo
     events: KVEventLog
     # Where the engine's KV blocks are read and written as bytes, to move them between workers.
@@ -122,9 +127,12 @@ class Worker:
         backend: str,
         backend_reason: str = "",
         role: Role = "mixed",
+        tokenizer: WordTokenizer | None = None,
         **options: Any,
     ) -> Worker:
-        """A worker over an engine built with `events.callbacks()`, run by an AsyncLLM thread."""
+        """A worker over an engine built with `events.callbacks()`, run by an AsyncLLM thread, that
+        tokenizes text prompts with the engine's tokenizer or, for a simulated engine (which has
+        none), with `tokenizer` if given."""
         bm = engine.block_manager
         # The simulated engine has no model config, only the vocabulary size its tokens are drawn from.
         vocab_size = getattr(engine, "vocab_size", None) or engine.model_config.vocab_size
@@ -141,7 +149,8 @@ class Worker:
         )
         # The simulated engine has no KV tensors: its transfers move hashes only.
         store = engine.runner if isinstance(engine.runner, KVStore) else NoKV()
-        return cls(AsyncLLM(engine), engine.tokenizer, info, events, store, **options)
+        prompts = tokenizer if tokenizer is not None else engine.tokenizer
+        return cls(AsyncLLM(engine), prompts, info, events, store, **options)
 
 
 class EventFeed:
@@ -404,7 +413,11 @@ async def _collect(
     ]
     return web.json_response(
         shaper.response(choices, usage.json()),
-        headers={**headers, CACHED_TOKENS_HEADER: str(usage.cached_tokens)},
+        headers={
+            **headers,
+            CACHED_TOKENS_HEADER: str(usage.cached_tokens),
+            WORKER_HEADER: rt.worker.info.worker_id,
+        },
     )
 
 
@@ -427,6 +440,7 @@ async def _stream(
             "Cache-Control": "no-cache",
             "X-Accel-Buffering": "no",
             CACHED_TOKENS_HEADER: str(out.cached_tokens),
+            WORKER_HEADER: rt.worker.info.worker_id,
         }
     )
     await response.prepare(request)

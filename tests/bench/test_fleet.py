@@ -10,6 +10,7 @@ import pytest
 
 from bench.fleet import Job, jobs_of, pooled_hit_rate, simulate
 from bench.trace import load_trace, prompt_tokens, trace_sessions, write_conversation_trace
+from bench.units import unit_of
 from bench.workloads import AgentParams, GroupedParams, agent_sessions, grouped_sessions, total_turns
 from gateway.cli import main
 from policies import RoutingConfig
@@ -117,6 +118,23 @@ def test_approximate_mode_learns_the_capacity_whatever_it_was_configured_to() ->
         assert hit == pytest.approx(hits[1.0], rel=0.05), (scale, hits)
     with pytest.raises(ValueError, match="capacity_scale"):
         simulate(sessions, routing, small, 4, "approximate", capacity_scale=0.0)
+
+
+@pytest.mark.parametrize("unit", ["words", "blocks64"])
+def test_replicas_of_another_unit_keep_their_sessions(unit: str) -> None:
+    """Replicas that count words, or cache in blocks of 64, report reuse the gateway's blocks do not
+    match exactly; read within its rounding (radix.reports) that is no eviction, so sessions stay where
+    their history is. (Read to the block, as before, 60-70% of later turns moved on these runs, under
+    either policy.)"""
+    sessions = agent_sessions(AgentParams(seed=0))
+    roomy = replace(PROFILE, block_size=16, kv_capacity_tokens=16 * 3000)
+    result = simulate(
+        sessions, RoutingConfig(policy="prefix_aware"), roomy, 4, "approximate", unit=unit_of(unit)
+    )
+    assert result.moved_turns < 0.05, result
+    assert result.hit_rate > 0.7, result
+    with pytest.raises(ValueError, match="approximate"):
+        simulate(sessions, RoutingConfig(policy="prefix_aware"), roomy, 4, "precise", unit=unit_of(unit))
 
 
 def test_agent_sessions_are_closed_loop_in_virtual_time() -> None:

@@ -1,6 +1,7 @@
 """`bench replay` against a real simulated worker over loopback HTTP: open-loop shared-prefix load end
 to end through the CLI, agent sessions closed loop within a session, failures counted by kind,
-workloads that are a pure function of the seed, and the fleet comparison's rows and gateway configs."""
+workloads that are a pure function of the seed, the fleet comparison's rows and gateway configs, and
+fleets whose workers count in their own unit (words, blocks of 64) with a peer router's row."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.peers import PEER_ROWS
 from bench.replay import (
+    APPROX,
+    BLOCKS64,
     FLEET_DURATION_S,
     FLEET_MODES,
     FLEET_NUM_BLOCKS,
@@ -25,20 +29,26 @@ from bench.replay import (
     Arrival,
     Mode,
     Prompt,
+    RequestRecord,
     fill_fleet_defaults,
     fleet_rows,
+    fleet_workers,
     imbalance,
+    moved_turns,
     replay,
     replay_sessions,
+    row_fleet,
     row_gateway_config,
     shared_prefix_arrivals,
     shared_prefix_workload,
     trace_arrivals,
 )
 from bench.trace import load_trace, write_conversation_trace
+from bench.words import text_of
 from bench.workloads import AgentParams, agent_sessions, total_turns
 from gateway.cli import build_parser, main
 from gateway.config import parse_config
+from protocol.models import default_tokenizer
 from tests.conftest import free_port
 from tests.workers.conftest import ServerThread
 from workers.kv_events import KVEventLog
@@ -279,3 +289,158 @@ def test_imbalance_counts_idle_replicas_in_the_mean() -> None:
     assert imbalance({"w0": 6, "w1": 2}, 2) == pytest.approx(1.5)
     assert imbalance({"w0": 8}, 4) == pytest.approx(4.0)
     assert imbalance({}, 3) == 0.0
+
+
+def _record(session: int | None, turn: int, replica: str) -> RequestRecord:
+    return RequestRecord(0.1, (), 0.2, 10, 0, 1, replica, session, turn)
+
+
+def test_moved_turns_count_later_turns_served_elsewhere_than_the_turn_before() -> None:
+    records = [
+        _record(0, 0, "w0"),
+        _record(0, 1, "w0"),
+        _record(0, 2, "w1"),  # moved
+        _record(0, 3, "w1"),
+        _record(1, 0, "w1"),
+        _record(1, 2, "w0"),  # its turn 1 failed: nothing to compare with
+        _record(1, 3, "w1"),  # moved
+    ]
+    assert moved_turns(records) == pytest.approx(2 / 4)
+    assert moved_turns(list(reversed(records))) == pytest.approx(2 / 4)  # completion order is no matter
+    assert moved_turns([_record(i, 0, f"w{i % 2}") for i in range(5)]) is None  # single turns
+    assert moved_turns([_record(None, 0, "w0"), _record(None, 0, "w1")]) is None  # no sessions
+
+
+def test_foreign_units_and_peers_are_checked_before_anything_starts() -> None:
+    def args(*flags: str) -> object:
+        parsed = build_parser().parse_args(
+            ["bench", "replay", "--sim-fleet", "2", "--workload", "agent", *flags]
+        )
+        fill_fleet_defaults(parsed)
+        return parsed
+
+    assert args("--sim-unit", "words").modes == tuple(m for m in FLEET_MODES if not m.precise)
+    assert args().modes == FLEET_MODES
+    for flags, message in [
+        (("--text",), "--text and --sim-unit words"),
+        (("--sim-unit", "words"), "--text and --sim-unit words"),
+        (("--text", "--sim-unit", "blocks64"), "--text and --sim-unit words"),
+        (("--text", "--sim-unit", "words", "--modes", "approx,precise"), "approx modes only"),
+        (("--peers", "sglang"), "text prompts only"),
+    ]:
+        with pytest.raises(SystemExit, match=message):
+            main(["bench", "replay", "--sim-fleet", "2", "--workload", "agent", *flags])
+    assert args("--peers", "sglang").peers == ("sglang cache_aware",)
+    assert args("--peers", "vllm-router,sglang cache_aware,vllm-router kv_aware").peers == (
+        "vllm-router cache_aware",
+        "vllm-router kv_aware",
+        "sglang cache_aware",
+    )
+    assert set(args("--peers", "sglang,vllm-router").peers) == set(PEER_ROWS)
+    assert args().peers == ()  # no peer rows unless asked for
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "replay", "--sim-fleet", "2", "--peers", "nginx"])
+
+
+def test_foreign_workers_are_declared_openai_in_every_row_and_the_text_gateway_tokenizes() -> None:
+    rows = fleet_rows(["prefix_aware", "round_robin"], [APPROX], plain=APPROX)
+    assert [(r.name, r.mode) for r in rows] == [
+        ("prefix_aware approx cap absent", APPROX),
+        ("round_robin", APPROX),
+    ]
+    urls = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+    config = parse_config(row_gateway_config("m", urls, "round_robin", APPROX, (16, 768), 8000, text=True))
+    assert config.tokenizer_for("m") == "default" and {r.kind for r in config.replicas} == {"openai"}
+    assert (
+        parse_config(row_gateway_config("m", urls, "round_robin", APPROX, (16, 768), 8000)).tokenizer_for("m")
+        == "none"
+    )
+    words = fleet_workers(2, "h100-8b", (16, 768), "words")
+    assert (words.spec.block_size, words.spec.num_blocks, words.flags) == (
+        16,
+        768,
+        ("--sim-tokenizer", "words"),
+    )
+    blocks = fleet_workers(2, "h100-8b", (16, 768), "blocks64")
+    assert (blocks.spec.block_size, blocks.spec.num_blocks, blocks.flags) == (BLOCKS64, 192, ())
+
+
+# Two short agent sessions of a few turns on a tenant's system prompt, and a gateway that learns.
+SHORT_AGENT = AgentParams(
+    tenants=1,
+    system_tokens=256,
+    sessions=2,
+    min_turns=3,
+    max_turns=3,
+    tool_tokens=96,
+    min_output_tokens=4,
+    max_output_tokens=8,
+    think_base_s=0.1,
+    think_mean_s=0.01,
+    start_window_s=0.1,
+)
+
+
+def test_workers_counting_words_report_their_own_counts_behind_a_gateway_reading_tokens(
+    tmp_path: Path,
+) -> None:
+    sessions = agent_sessions(SHORT_AGENT)
+    workers = fleet_workers(2, "h100-8b", (16, 256), "words")
+    with row_fleet(tmp_path, workers, "prefix_aware", APPROX, (16, 256), text=True) as url:
+        result = asyncio.run(
+            replay_sessions(url, sessions, model=workers.spec.model, text=True, progress=False)
+        )
+    assert result.summary()["errors"] == {} and result.completed == 6
+    prompts = {(i, k): turn.prompt for i, s in enumerate(sessions) for k, turn in enumerate(s.turns)}
+    tokenizer = default_tokenizer()
+    for r in result.records:
+        assert r.session is not None and r.replica in {"w0", "w1"}
+        # One word per id: the workers count the ids' number, the gateway's tokenizer ~2.8 times it.
+        words = len(prompts[r.session, r.turn])
+        assert r.prompt_tokens == words
+        assert len(tokenizer.encode(text_of(prompts[r.session, r.turn]))) > 2 * words
+        # Cached in the workers' blocks of 16 words.
+        assert r.cached_tokens % 16 == 0 and r.cached_tokens < words
+    assert sum(r.cached_tokens > 0 for r in result.records) >= 3  # later turns, and the shared system prompt
+    assert moved_turns(result.records) is not None
+
+
+def test_blocks64_workers_cache_in_their_own_blocks(tmp_path: Path) -> None:
+    workers = fleet_workers(2, "h100-8b", (16, 256), "blocks64")
+    with row_fleet(tmp_path, workers, "cache_threshold", APPROX, (16, 256)) as url:
+        result = asyncio.run(replay_sessions(url, agent_sessions(SHORT_AGENT), progress=False))
+    assert result.completed == 6
+    cached = [r.cached_tokens for r in result.records]
+    assert all(c % BLOCKS64 == 0 for c in cached) and max(cached) >= BLOCKS64
+
+
+def test_sim_fleet_compares_the_gateway_with_a_peer_router_over_word_counting_workers(tmp_path: Path) -> None:
+    out = tmp_path / "peers.json"
+    argv = [
+        "bench",
+        "replay",
+        "--sim-fleet",
+        "2",
+        "--workload",
+        "agent",
+        "--sessions",
+        "4",
+        "--duration",
+        "1",
+    ]
+    argv += ["--speed", "4", "--text", "--sim-unit", "words", "--policies", "prefix_aware,round_robin"]
+    main([*argv, "--modes", "approx", "--peers", "sglang", "--num-blocks", "256", "--json", str(out)])
+    payload = json.loads(out.read_text())
+    assert payload["text"] is True and payload["sim_fleet"]["unit"] == "words"
+    rows = payload["policies"]
+    assert list(rows) == ["prefix_aware approx cap absent", "round_robin", "sglang cache_aware"]
+    turns = total_turns(agent_sessions(replace(AgentParams(), sessions=4, start_window_s=1)))
+    for row in rows.values():
+        assert row["completed"] == turns and row["errors"] == {}
+        # Every replica is a worker named by the gateway or, behind the peer, by the worker itself.
+        assert set(row["requests_per_replica"]) <= {"w0", "w1"}
+        assert 0 <= row["moved_turns"] <= 1 and row["hit_rate"] > 0.2
+    assert (
+        rows["sglang cache_aware"]["mode"] == "peer" and rows["sglang cache_aware"]["capacity_blocks"] is None
+    )
+    assert rows["round_robin"]["moved_turns"] > 0.15  # alternating replicas: about every other turn moves

@@ -9,12 +9,17 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from bench.fleet import WORKLOADS, generated_sessions
 from bench.trace import TracePrompt, load_trace, prompt_tokens, trace_sessions, write_conversation_trace
 from bench.workloads import (
+    AGENT_WORKLOADS,
+    HELD_OUT,
     TOKEN_HIGH,
     TOKEN_LOW,
+    TUNED,
     AgentParams,
     GroupedParams,
     LongMixParams,
@@ -25,8 +30,10 @@ from bench.workloads import (
     longmix_sessions,
     nominal_order,
     scaled,
+    tenant_weights,
     total_turns,
 )
+from gateway.cli import build_parser
 
 AGENT = AgentParams()
 
@@ -114,6 +121,8 @@ def test_invalid_parameters_are_refused() -> None:
         AgentParams(tool_share=1.5)
     with pytest.raises(ValueError, match="rate"):
         GroupedParams(rate=0)
+    with pytest.raises(ValueError, match="tenant_zipf"):
+        AgentParams(tenant_zipf=-1.0)
 
 
 def test_nominal_order_and_speed() -> None:
@@ -182,3 +191,80 @@ def test_longmix_parameters_are_checked() -> None:
     ):
         with pytest.raises(ValueError):
             LongMixParams(**bad)
+
+
+def _tenant(session: Session) -> int:
+    return int(session.key.split("-")[0].removeprefix("tenant"))
+
+
+def test_zipf_tenants_follow_the_law_and_keep_the_sessions_contents() -> None:
+    params = replace(AGENT_WORKLOADS["agent-zipf"], sessions=4000)
+    sessions = agent_sessions(params)
+    assert sessions == agent_sessions(params) and sessions != agent_sessions(replace(params, seed=1))
+    counts = np.bincount([_tenant(s) for s in sessions], minlength=params.tenants)
+    # The hottest tenant has about 30% (sd 0.7%), and counts fall with rank as rank^-1.1: the slope
+    # of log count on log rank over the ten hottest (the tail's counts are too small to fit).
+    assert counts[0] / len(sessions) == pytest.approx(tenant_weights(24, 1.1)[0], abs=0.025)
+    slope = np.polyfit(np.log(np.arange(1, 11)), np.log(counts[:10]), 1)[0]
+    assert slope == pytest.approx(-1.1, abs=0.15)
+    assert counts[12:].sum() / len(sessions) == pytest.approx(0.152, abs=0.03)  # a long, thin tail
+    # A tenant's sessions share its system prompt, whoever they are.
+    for tenant in range(5):
+        heads = {tuple(s.turns[0].prompt[: params.system_tokens]) for s in sessions if _tenant(s) == tenant}
+        assert len(heads) == 1
+    # The draw comes from a stream of its own: past the system prompt, each session is the one the
+    # same parameters give without Zipf, and more sessions leave the first ones' tenants as they were.
+    plain = {s.key.split("-")[1]: s for s in agent_sessions(replace(params, tenant_zipf=0.0, sessions=300))}
+    for s in sessions[:300]:
+        other = plain.get(s.key.split("-")[1])
+        if other is not None:
+            assert other.start_s == s.start_s and len(other.turns) == len(s.turns)
+            assert (
+                other.turns[-1].prompt[params.system_tokens :] == s.turns[-1].prompt[params.system_tokens :]
+            )
+    fewer = {s.key for s in agent_sessions(replace(params, sessions=500))}
+    assert fewer <= {s.key for s in sessions}
+
+
+def test_agent_tools_results_are_thousands_of_tokens() -> None:
+    params = AGENT_WORKLOADS["agent-tools"]
+    sessions = agent_sessions(params)
+    growth = [
+        len(after.prompt) - len(before.prompt) - before.max_tokens
+        for s in sessions
+        for before, after in itertools.pairwise(s.turns)
+    ]
+    tools = [g for g in growth if g > params.max_user_tokens]
+    assert 0.4 < len(tools) / len(growth) < 0.6
+    assert all(3000 + params.min_user_tokens <= g <= 3000 + params.max_user_tokens for g in tools)
+    # The default agent's sessions but for the tool results, which make their histories several
+    # times as long.
+    default = agent_sessions(AGENT)
+    assert [len(s.turns) for s in sessions] == [len(s.turns) for s in default]
+    longest, default_longest = (max(len(t.prompt) for s in w for t in s.turns) for w in (sessions, default))
+    assert longest > 10_000 and longest > 3 * default_longest
+
+
+def test_agent_think_times_are_long_against_the_default_agents() -> None:
+    params = AGENT_WORKLOADS["agent-think"]
+    thinks = [t.think_s for s in agent_sessions(params) for t in s.turns[1:]]
+    default = [t.think_s for s in agent_sessions(AGENT) for t in s.turns[1:]]
+    assert min(thinks) >= 15.0 > 4 * statistics.fmean(default)
+    assert statistics.fmean(thinks) == pytest.approx(45.0, rel=0.1)
+    # Sessions arrive at the default agent's rate, so the load per second is comparable.
+    assert params.sessions / params.start_window_s == pytest.approx(
+        AGENT.sessions / AGENT.start_window_s, rel=0.01
+    )
+
+
+def test_named_workloads_are_split_into_tuned_and_held_out_and_run_from_both_benches() -> None:
+    assert set(TUNED).isdisjoint(HELD_OUT)
+    assert {"agent", "grouped"} <= set(TUNED) and len(set(TUNED) & set(AGENT_WORKLOADS)) == 2
+    assert set(TUNED) | set(HELD_OUT) == set(WORKLOADS) - {"longmix"}
+    for bench in ("fleet", "replay"):
+        target = ["--replicas", "2"] if bench == "fleet" else ["--url", "http://127.0.0.1:1"]
+        for name in AGENT_WORKLOADS:
+            args = build_parser().parse_args(["bench", bench, "--workload", name, "--seed", "2", *target])
+            sessions, params = generated_sessions(args)
+            assert sessions == agent_sessions(replace(AGENT_WORKLOADS[name], seed=2))
+            assert params["seed"] == 2 and params["tenants"] == AGENT_WORKLOADS[name].tenants

@@ -8,6 +8,7 @@ import json
 import socket
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -299,3 +300,33 @@ def test_requests_in_flight_are_counted_in_the_load_the_policy_sees(
         while replica.load()[0] < 1:
             assert time.monotonic() < deadline, "the running request never showed in the load"
             time.sleep(0.02)
+
+
+def test_a_prompt_in_flight_draws_the_requests_that_share_it(
+    start_sim_worker: Callable[..., SimWorker], start_gateway: Callable[..., RunningGateway]
+) -> None:
+    """Precise mode learns what a replica holds from its KV events, which come once the prompt is
+    computed. A request sharing the prefix of one still being prefilled goes where that one is: it
+    waits for that prefill anyway and then reuses it, where elsewhere it would compute it again."""
+    workers = [start_sim_worker(f"w{i}", "--sim-profile", "cpu-smollm2") for i in range(2)]
+    gateway = start_gateway([w.url for w in workers])
+    model = httpx.get(f"{gateway.url}/v1/models").json()["data"][0]["id"]
+    shared = [1000 + t for t in range(1500)]
+
+    def complete(prompt: list[int]) -> httpx.Response:
+        body = {"model": model, "prompt": prompt, "max_tokens": 1}
+        return httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=60)
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(complete, [*shared, 1, 2, 3])
+        time.sleep(0.3)  # the first is being prefilled (about a second on this profile)
+        second = complete([*shared, 4, 5, 6])
+    assert first.result().status_code == second.status_code == 200
+    assert second.headers["x-prefixgate-replica"] == first.result().headers["x-prefixgate-replica"]
+    assert int(second.headers["x-prefixgate-predicted-cached-tokens"]) >= 1488
+    # Once both ended the index holds what the events confirmed, nothing more.
+    again = complete([*shared, 7, 8, 9])
+    assert again.headers["x-prefixgate-replica"] == first.result().headers["x-prefixgate-replica"]
+    assert int(again.headers["x-prefixgate-predicted-cached-tokens"]) == again.json()["usage"][
+        "prompt_tokens_details"
+    ]["cached_tokens"]

@@ -12,6 +12,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from bench.words import text_of
+from protocol.models import default_tokenizer
 from tests.gateway.conftest import SIM_MODEL, RecordingBackend, RunningGateway, SimWorker
 
 BLOCK = 16
@@ -119,3 +121,74 @@ def test_a_stream_is_asked_for_its_usage_and_the_client_does_not_see_it(
     )
     assert got.content == b"".join(stream)
     assert backend.received[-1].body == asked
+
+
+def test_a_replica_caching_in_blocks_of_64_keeps_its_sessions(
+    start_sim_worker: Callable[..., SimWorker],
+    start_gateway: Callable[..., RunningGateway],
+) -> None:
+    """Two foreign replicas caching in blocks of 64 while the gateway hashes blocks of 16: each report
+    falls short of the prediction by up to a block of theirs, which is rounding, not an eviction. Six
+    sessions whose histories grow turn by turn all stay on the replica of their first turn, and reuse
+    their history there, and the index never predicts less than the replica reuses. (Read to the
+    gateway's block, each report was an eviction: the learned capacities fell to 64 and 76 blocks of a
+    pool of 1,024, and the index lost histories the replicas still held.)"""
+    workers = [start_sim_worker(f"w{i}", "--block-size", "64", "--num-blocks", "256") for i in range(2)]
+    entries = [{"url": w.url, "id": w.id, "kind": "openai", "block_size": BLOCK} for w in workers]
+    gateway = start_gateway([], wait_for=2, replicas=entries)
+    rng = random.Random(1)
+    histories = [[3000 + 1000 * s + t for t in range(100 + 7 * s)] for s in range(6)]
+    homes: dict[int, str] = {}
+    moved = reused = under = 0
+    for turn in range(6):
+        for s, history in enumerate(histories):
+            response = send(gateway, history)
+            replica = response.headers["x-prefixgate-replica"]
+            cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if turn:
+                moved += replica != homes[s]
+                reused += cached >= (len(history) - 60) // 64 * 64 - 64
+                under += int(response.headers["x-prefixgate-predicted-cached-tokens"]) < cached
+            homes.setdefault(s, replica)
+            history += [rng.randrange(1000, 30000) for _ in range(37)]
+    assert moved == 0
+    assert reused == 5 * len(histories)
+    assert under == 0
+    pool = 256 * 64 // BLOCK
+    assert all(c is None or c >= pool for c in learned(gateway).values()), learned(gateway)
+
+
+def test_a_replica_counting_words_keeps_its_sessions(
+    start_sim_worker: Callable[..., SimWorker],
+    start_gateway: Callable[..., RunningGateway],
+) -> None:
+    """Two foreign replicas that count words, in blocks of 16 words, behind a gateway that reads the
+    same text with SmolLM2's tokenizer (about 2.8 of its tokens a word): their reports, in words, read
+    as shares of the prompt, keep every session's growing history predicted where it is. (Taking such
+    a worker's cached-tokens header for the gateway's tokens read each turn as an eviction of most of
+    the history: the learned capacity fell to what one session held, and sessions moved.)"""
+    workers = [start_sim_worker(f"w{i}", "--sim-tokenizer", "words") for i in range(2)]
+    entries = [{"url": w.url, "id": w.id, "kind": "openai", "block_size": BLOCK} for w in workers]
+    gateway = start_gateway([], wait_for=2, replicas=entries)
+    rng = random.Random(2)
+    histories = [[rng.randrange(1000, 30000) for _ in range(200 + 20 * s)] for s in range(4)]
+    homes: dict[int, str] = {}
+    moved = under = 0
+    for turn in range(5):
+        for s, history in enumerate(histories):
+            body = {"model": SIM_MODEL, "prompt": text_of(history), "max_tokens": 1}
+            response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=30)
+            assert response.status_code == 200, response.text
+            usage = response.json()["usage"]
+            assert usage["prompt_tokens"] == len(history)  # the replica counts words
+            if turn:
+                moved += response.headers["x-prefixgate-replica"] != homes[s]
+                # Predicted in the gateway's tokens, at least the share of the prompt it reused.
+                share = usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"]
+                predicted = int(response.headers["x-prefixgate-predicted-cached-tokens"])
+                under += predicted < 0.9 * share * len(default_tokenizer().encode(body["prompt"]))
+            homes.setdefault(s, response.headers["x-prefixgate-replica"])
+            history += [rng.randrange(1000, 30000) for _ in range(30)]
+    assert moved == 0
+    assert under == 0
+    assert all(c is None for c in learned(gateway).values()), learned(gateway)

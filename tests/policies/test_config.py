@@ -27,7 +27,7 @@ def test_example_gateway_config_routing_section() -> None:
     config = yaml.safe_load((CONFIGS / "gateway.example.yaml").read_text())
     routing = parse_routing(config["routing"])
     assert routing.policy == "prefix_aware"
-    assert routing.prefix_aware.hot_spot_guard.max_share == 0.6
+    assert routing.prefix_aware.recompute_penalty == 1.0
 
 
 def test_unknown_policy_lists_the_allowed_names() -> None:
@@ -42,10 +42,7 @@ def test_unknown_policy_lists_the_allowed_names() -> None:
     ("section", "key"),
     [
         ({"prefix_aware": {"temperature": -0.1}}, "routing.prefix_aware.temperature"),
-        (
-            {"prefix_aware": {"hot_spot_guard": {"max_share": 1.5}}},
-            "routing.prefix_aware.hot_spot_guard.max_share",
-        ),
+        ({"prefix_aware": {"recompute_penalty": 101}}, "routing.prefix_aware.recompute_penalty"),
         ({"prefix_aware": {"mode": "psychic"}}, "routing.prefix_aware.mode"),
         ({"session_affinity": {"virtual_nodes": 0}}, "routing.session_affinity.virtual_nodes"),
         ({"random": {"seed": "abc"}}, "routing.random.seed"),

@@ -1,4 +1,4 @@
-"""prefix_aware: the estimated TTFT trade of cache against queue, the hot-spot guard, temperature."""
+"""prefix_aware: the stated model (own TTFT plus the fleet's recompute), its ties, its limits, temperature."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from policies import ReplicaView, RouteRequest
-from policies.prefix_aware import HotSpotGuardConfig, PrefixAware, PrefixAwareConfig
+from policies.prefix_aware import PrefixAware, PrefixAwareConfig
 
 
 def test_longest_cached_prefix_wins_at_equal_load() -> None:
@@ -31,54 +31,95 @@ def test_est_ttft_follows_the_design_formula() -> None:
     assert policy.est_ttft(RouteRequest(prompt_tokens=500), replica) == pytest.approx(1436 / 2000 + 0.03)
 
 
-def test_a_long_queue_outweighs_a_short_cached_prefix() -> None:
+def test_cost_adds_the_recompute_of_what_the_best_holder_has() -> None:
+    policy = PrefixAware(PrefixAwareConfig(recompute_penalty=2.0))
+    request = RouteRequest(prompt_tokens=1000)
+    lacking = ReplicaView(id="b", matched_blocks=10, queued_prefill_tokens=200, prefill_rate=1000.0)
+    # own: (200 + 1000 - 160) / 1000; the fleet's: 2 x (800 - 160) / 1000
+    assert policy.cost(request, lacking, best_cached=800) == pytest.approx(1.04 + 1.28)
+
+
+@pytest.mark.parametrize("penalty", [0.0, 1.0, 3.0])
+def test_a_turn_leaves_its_history_only_when_the_holder_is_slower_by_more_than_the_recompute(
+    penalty: float,
+) -> None:
+    """A session's turn (2,000 tokens, 1,600 of them held by `holder`): it moves to an idle replica
+    exactly when the holder's queue costs more than (1 + penalty) times the recompute."""
     request = RouteRequest(prompt_tokens=2000)
-    holder = ReplicaView(id="holder", matched_blocks=8, queued_prefill_tokens=50_000)  # 128 cached tokens
+    policy = PrefixAware(PrefixAwareConfig(recompute_penalty=penalty))
+    margin = (1 + penalty) * 1600  # in tokens at equal rates
+    below = ReplicaView(id="holder", matched_blocks=100, queued_prefill_tokens=int(margin) - 1)
+    above = replace(below, queued_prefill_tokens=int(margin) + 1)
     idle = ReplicaView(id="idle")
-    assert PrefixAware().choose(request, [holder, idle])[0] == "idle"
-    # ... but a long cached prefix is worth a moderate queue.
-    holder = ReplicaView(id="holder", matched_blocks=120, queued_prefill_tokens=1_000)
-    assert PrefixAware().choose(request, [holder, idle])[0] == "holder"
+    assert policy.choose(request, [below, idle])[0] == "holder"
+    assert policy.choose(request, [above, idle])[0] == "idle"
 
 
-def test_recompute_penalty_keeps_prefixes_home_longer() -> None:
-    request = RouteRequest(prompt_tokens=2000)
-    holder = ReplicaView(id="holder", matched_blocks=100, queued_prefill_tokens=3_000)  # saves 1,600
-    idle = ReplicaView(id="idle")
-    assert PrefixAware(PrefixAwareConfig(recompute_penalty=0.0)).choose(request, [holder, idle])[0] == "idle"
-    assert (
-        PrefixAware(PrefixAwareConfig(recompute_penalty=3.0)).choose(request, [holder, idle])[0] == "holder"
-    )
+def test_a_new_prefix_goes_where_it_starts_soonest() -> None:
+    request = RouteRequest(prompt_tokens=800, prefix_key=5)
+    replicas = [
+        ReplicaView(id="a", queued_prefill_tokens=300),
+        ReplicaView(id="b", queued_prefill_tokens=100),
+    ]
+    assert PrefixAware().choose(request, replicas) == ["b", "a"]
 
 
-def test_hot_prefix_spills_once_its_replica_is_saturated() -> None:
-    """One shared prefix, requests arriving back to back: the holder takes them until it saturates,
-    then the others do, even though the cache makes the holder the cheapest by estimate."""
-    policy = PrefixAware(PrefixAwareConfig(recompute_penalty=100.0))
-    replicas = {rid: ReplicaView(id=rid, max_waiting=8) for rid in ("a", "b", "c", "d")}
+def test_a_short_shared_prefix_attracts_only_as_far_as_it_saves() -> None:
+    """Only one replica holds a 512-token system prompt of a 4,000-token request: it wins while its
+    queue is under what the prompt saves there plus the recompute elsewhere, no further."""
+    request = RouteRequest(prompt_tokens=4000)
+    holder = ReplicaView(id="holder", matched_blocks=32, queued_prefill_tokens=1000)
+    cold = ReplicaView(id="cold")
+    assert PrefixAware().choose(request, [holder, cold])[0] == "holder"
+    assert PrefixAware().choose(request, [replace(holder, queued_prefill_tokens=1100), cold])[0] == "cold"
+
+
+def test_ties_go_to_the_fewest_requests_then_the_emptiest_cache() -> None:
+    request = RouteRequest(prompt_tokens=800, prefix_key=3)
+    replicas = [
+        ReplicaView(id="a", running=2, cached_blocks=10),
+        ReplicaView(id="b", running=1, cached_blocks=50),
+        ReplicaView(id="c", running=1, cached_blocks=20),
+    ]
+    assert PrefixAware().choose(request, replicas) == ["c", "b", "a"]
+
+
+def test_full_ties_spread_distinct_prefixes_and_keep_one_prefix_in_place() -> None:
+    replicas = [ReplicaView(id=r) for r in "abcd"]
+    policy = PrefixAware()
+    firsts = {policy.choose(RouteRequest(prompt_tokens=800, prefix_key=k), replicas)[0] for k in range(4)}
+    assert firsts == {"a", "b", "c", "d"}
+    again = {policy.choose(RouteRequest(prompt_tokens=800, prefix_key=7), replicas)[0] for _ in range(5)}
+    assert len(again) == 1
+
+
+def test_hot_prefix_spills_as_its_holders_queue_grows() -> None:
+    """One shared prefix, requests arriving back to back: the holder takes them until its queue costs
+    more than the recompute elsewhere, then the others do, and cache it too."""
+    policy = PrefixAware()
+    replicas = {rid: ReplicaView(id=rid) for rid in ("a", "b", "c", "d")}
     replicas["a"] = replace(replicas["a"], matched_blocks=100)
     picks = []
-    for _ in range(40):
+    for _ in range(120):
         chosen = policy.choose(RouteRequest(prompt_tokens=1700), list(replicas.values()))[0]
         picks.append(chosen)
         r = replicas[chosen]
+        # It now holds the prefix and queues the request's uncached part.
         replicas[chosen] = replace(
-            r, waiting=r.waiting + 1, queued_prefill_tokens=r.queued_prefill_tokens + 100
+            r, matched_blocks=100, queued_prefill_tokens=r.queued_prefill_tokens + 1700 - r.cached_tokens
         )
     assert picks[0] == "a"
     counts = Counter(picks)
     assert set(counts) == {"a", "b", "c", "d"}
-    assert counts["a"] < 0.7 * len(picks)
+    assert counts["a"] < 0.4 * len(picks)
+    assert picks[:32] == ["a"] * 32  # until a's queue of 3,200 tokens outweighs 1,700 + 1,600 elsewhere
 
 
-def test_share_guard_applies_only_past_min_outstanding() -> None:
-    policy = PrefixAware(
-        PrefixAwareConfig(hot_spot_guard=HotSpotGuardConfig(max_share=0.5, min_outstanding=10))
-    )
-    quiet = [ReplicaView(id="a", matched_blocks=50, running=3), ReplicaView(id="b")]
-    assert policy.choose(RouteRequest(prompt_tokens=1000), quiet)[0] == "a"
-    busy = [ReplicaView(id="a", matched_blocks=50, running=9), ReplicaView(id="b", running=2)]
-    assert policy.choose(RouteRequest(prompt_tokens=1000), busy)[0] == "b"
+def test_a_replica_at_its_queue_limit_ranks_last_whatever_it_holds() -> None:
+    request = RouteRequest(prompt_tokens=2000)
+    full = ReplicaView(id="full", matched_blocks=120, waiting=8, max_waiting=8)
+    other = ReplicaView(id="other", queued_prefill_tokens=50_000)
+    assert PrefixAware().choose(request, [full, other]) == ["other", "full"]
 
 
 def test_temperature_samples_but_favours_the_best() -> None:
@@ -97,39 +138,8 @@ def test_unhealthy_holder_is_skipped() -> None:
     assert PrefixAware().choose(RouteRequest(prompt_tokens=2000), replicas) == ["b"]
 
 
-def test_a_small_shared_prefix_does_not_attract_new_sessions() -> None:
-    """Only one replica holds the shared system block: new sessions still go where the queue is shortest."""
-    request = RouteRequest(prompt_tokens=4000)
-    replicas = [
-        ReplicaView(id="holder", matched_blocks=32, queued_prefill_tokens=200),
-        ReplicaView(id="cold"),
-    ]
-    assert PrefixAware().choose(request, replicas)[0] == "cold"
-    assert PrefixAware(PrefixAwareConfig(min_match_ratio=0.0)).choose(request, replicas)[0] == "holder"
-
-
-def test_new_prefixes_spread_over_equal_replicas() -> None:
-    """Four new prefixes on four idle replicas go to four replicas, although one has the fewest
-    requests running: each draws its followers to where it lands. A request that continues a prefix
-    still goes to its holder."""
-    replicas = [ReplicaView(id="a"), *(ReplicaView(id=r, running=3) for r in "bcd")]
-    policy = PrefixAware()
-    first = [policy.choose(RouteRequest(prompt_tokens=800, prefix_key=k), replicas)[0] for k in range(4)]
-    assert sorted(first) == ["a", "b", "c", "d"]
-    assert first[0] == "a"  # before any count, the fewest requests running still decides
-    holder = [replace(r, matched_blocks=50 if r.id == "b" else 0) for r in replicas]
-    assert policy.choose(RouteRequest(prompt_tokens=800, prefix_key=9), holder)[0] == "b"
-
-
-def test_new_prefixes_pay_no_balance_penalty() -> None:
-    """Replica a took the last 20 requests (a session's turns): a continuing request elsewhere would
-    be pushed off it, but a new prefix still goes where it starts soonest."""
-    policy = PrefixAware()
-    busy = [ReplicaView(id="a", matched_blocks=50), ReplicaView(id="b")]
-    for _ in range(20):
-        assert policy.choose(RouteRequest(prompt_tokens=800), busy)[0] == "a"
-    faster = [ReplicaView(id="a"), ReplicaView(id="b", queued_prefill_tokens=500)]
-    assert policy.choose(RouteRequest(prompt_tokens=800, prefix_key=1), faster)[0] == "a"
-    # The same queues, as a continuing request on neither replica's prefix: a's excess now counts.
-    matched = [replace(r, matched_blocks=40) for r in faster]
-    assert policy.choose(RouteRequest(prompt_tokens=800, prefix_key=2), matched)[0] == "b"
+def test_the_removed_corrections_are_refused_by_name() -> None:
+    """Configs written for the stack of corrections this model replaced fail loudly, naming the key."""
+    for key in ("min_match_ratio", "balance_penalty_tokens", "hot_spot_guard", "tie_tolerance_s"):
+        with pytest.raises(ValueError, match=key):
+            PrefixAwareConfig.model_validate({key: 1})

@@ -186,6 +186,20 @@ def test_predictions_expire_exact_entries_do_not() -> None:
     assert index.expire(math.inf) == 0
 
 
+def test_settling_an_in_flight_prompt_keeps_what_events_confirmed() -> None:
+    """An exact replica's prompt in flight is held as timed entries; its stored events make the blocks
+    it computed exact, and when the request ends the rest go."""
+    index = RadixIndex()
+    index.add_replica("a")
+    index.insert("a", [1, 2, 3], expires_at=100.0)
+    assert index.match([1, 2, 3]) == {"a": 3}
+    index.insert("a", [1, 2])  # the stored event, for the blocks it computed
+    index.settle("a", [1, 2, 3])
+    assert index.match([1, 2, 3]) == {"a": 2}
+    assert len(index) == 2 and index.expire(math.inf) == 0
+    index.settle("gone", [1])  # a replica removed meanwhile: nothing to do
+
+
 def test_refreshed_prediction_lives_to_its_new_expiry() -> None:
     index = RadixIndex()
     index.add_replica("a")

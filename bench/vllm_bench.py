@@ -1,0 +1,284 @@
+"""`prefixgate bench vllm`: the routers compared on real vLLM servers on this CPU.
+
+Two vLLM servers of SmolLM2-135M (bench.vllm_fleet: one core each, small prefix caches) are started
+once; each row puts one router in front of them and replays the same workload through it
+(bench.replay, prompts as words that vLLM and the routers tokenize themselves), the servers' prefix
+caches emptied before every row. The rows: prefixgate's prefix_aware in precise mode (following
+vLLM's KV events) and in approximate mode (predicting the caches from its own routing and vLLM's
+reported cached tokens), its cache_threshold (precise) and round_robin, and the peers from PyPI
+(bench.peers): sglang-router's and vllm-router's cache_aware, and vllm-router's kv_aware.
+
+What each row is measured by: the client's TTFT and end-to-end latency, the hit rate vLLM reported
+in each answer's usage, and from the servers' own /metrics (read before and after each row) the
+requests each served and each one's prefix-cache hit rate, so that every router, whether or not it
+names the replica it chose, is judged by the same counters.
+
+vllm-router's kv_aware needs two things the others do not. It does not tokenize text for HTTP
+workers (it counts each text prompt as `preparation_rejected` and routes it by load alone), so its
+row is sent the same prompts as SmolLM2 token ids, the ids vLLM computes from the words; and it
+reads KV events over tcp:// only, so it follows each server through a loopback relay.
+
+The workloads are sized for two CPU servers of ~1,000 prompt tokens/s each (eager mode): each id
+of a workload is one made-up word, ~2.8 SmolLM2 tokens. `agent`: 6 tenants with a 340-token system
+prompt each, 40 sessions of 3 to 5 turns starting within 45 s, a 450-token tool result in half the
+turns, histories of up to ~2,000 tokens (810 on average); `grouped`: 12 groups of 10 prompts sharing
+700 of their ~810 tokens, at 2 requests/s. Sent with no reuse at all, either asks ~80-100 % of the
+fleet's prefill capacity. A cache of 160 blocks of 32 tokens per server holds less than half of
+either's working set, so where a request goes decides its hit; a router that keeps an agent's
+session where its history is computes a turn's new tokens alone (under 40 % of the capacity), one
+that scatters the turns recomputes half the histories (about 70 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.peers import peer_router
+from bench.replay import ReplayResult, replay_sessions
+from bench.report import bar_panels, format_table, write_json
+from bench.vllm_fleet import (
+    BLOCK_SIZE,
+    ServerCounters,
+    VllmServer,
+    VllmSpec,
+    gateway,
+    read_counters,
+    reset_prefix_caches,
+    tcp_event_relays,
+    vllm_fleet,
+)
+from bench.words import text_of
+from bench.workloads import AgentParams, GroupedParams, Session, agent_sessions, grouped_sessions, scaled
+from protocol.models import default_tokenizer
+
+NUM_BLOCKS = 160
+WORKLOADS: dict[str, AgentParams | GroupedParams] = {
+    "agent": AgentParams(
+        tenants=6, system_tokens=120, sessions=40, min_turns=3, max_turns=5, tool_tokens=160,
+        min_user_tokens=8, max_user_tokens=24, min_output_tokens=8, max_output_tokens=16,
+        think_base_s=1.0, think_mean_s=2.0, start_window_s=45.0,
+    ),
+    "grouped": GroupedParams(groups=12, prompts_per_group=10, shared_tokens=250, own_tokens=40,
+                             output_tokens=8, rate=2.0),
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Router:
+    """One row: prefixgate with a policy (precise: following the KV events), or a peer row of
+    bench.peers; `token_ids`: its prompts sent as SmolLM2 token ids instead of words."""
+
+    name: str
+    policy: str | None = None  # prefixgate's; None for a peer
+    precise: bool = False
+    token_ids: bool = False
+
+
+ROUTERS = (
+    Router("prefixgate prefix_aware precise", "prefix_aware", precise=True),
+    Router("prefixgate prefix_aware approx", "prefix_aware"),
+    Router("prefixgate cache_threshold precise", "cache_threshold", precise=True),
+    Router("prefixgate round_robin", "round_robin"),
+    Router("sglang cache_aware"),
+    Router("vllm-router cache_aware"),
+    Router("vllm-router kv_aware", token_ids=True),
+)
+NOTES = {
+    "vllm-router kv_aware": "prompts sent as SmolLM2 token ids (it routes text prompts to HTTP workers "
+    "by load alone: no tokens to match); KV events through a loopback tcp:// relay (it refuses ipc://)",
+}
+
+
+@contextlib.contextmanager
+def router_url(router: Router, servers: Sequence[VllmServer], spec: VllmSpec, workdir: Path) -> Iterator[str]:
+    """The row's router started over `servers`, its base URL yielded once it answers."""
+    if router.policy is not None:
+        with gateway(servers, spec, workdir, router.policy, precise=router.precise) as url:
+            yield url
+        return
+    urls = [s.url for s in servers]
+    if router.name.endswith("kv_aware"):
+        with tcp_event_relays(servers) as endpoints, peer_router(
+            router.name, urls, workdir, kv_events=endpoints, block_size=BLOCK_SIZE, model=spec.model
+        ) as url:  # fmt: skip
+            yield url
+        return
+    with peer_router(router.name, urls, workdir) as url:
+        yield url
+
+
+def as_token_ids(sessions: Sequence[Session]) -> list[Session]:
+    """The same sessions with every prompt the SmolLM2 token ids of its words: what vLLM computes."""
+    encode = default_tokenizer().encode
+    return [
+        replace(s, turns=tuple(replace(t, prompt=tuple(encode(text_of(t.prompt)))) for t in s.turns))
+        for s in sessions
+    ]
+
+
+def run_row(
+    router: Router,
+    sessions: Sequence[Session],
+    servers: Sequence[VllmServer],
+    spec: VllmSpec,
+    workdir: Path,
+    args: argparse.Namespace,
+    label: str,
+) -> dict[str, Any]:
+    """One router through one workload, from empty caches: the replay's summary and the servers'
+    counters over it."""
+    reset_prefix_caches(servers, spec.model)
+    before = [read_counters(s) for s in servers]
+    with router_url(router, servers, spec, workdir) as url:
+        replay = replay_sessions(
+            url, sessions, model=spec.model, timeout_s=args.timeout, label=label, text=not router.token_ids
+        )
+        result: ReplayResult = asyncio.run(replay)
+    served = [read_counters(s) - b for s, b in zip(servers, before, strict=True)]
+    return {**result.summary(), **server_summary(servers, served), "note": NOTES.get(router.name)}
+
+
+def server_summary(servers: Sequence[VllmServer], served: Sequence[ServerCounters]) -> dict[str, Any]:
+    """Per server, from its own counters: requests and prefix-cache hit rate; and for the fleet, the
+    hit rate over all prompt tokens and the imbalance (max/mean requests)."""
+    requests = [c.requests for c in served]
+    queries = sum(c.prefix_queries for c in served)
+    total = sum(requests)
+    return {
+        "servers": {
+            s.id: {"requests": c.requests, "prompt_tokens": c.prompt_tokens, "hit_rate": c.hit_rate}
+            for s, c in zip(servers, served, strict=True)
+        },
+        "vllm_hit_rate": sum(c.prefix_hits for c in served) / queries if queries else 0.0,
+        "imbalance": max(requests) * len(requests) / total if total else 0.0,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--servers", type=int, default=2, help="vLLM servers, one core each")
+    parser.add_argument(
+        "--num-blocks", type=int, default=NUM_BLOCKS, help=f"prefix-cache blocks of {BLOCK_SIZE} per server"
+    )
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}"
+    )
+    parser.add_argument(
+        "--routers",
+        default=None,
+        help="comma-separated row names (default: all): " + "; ".join(r.name for r in ROUTERS),
+    )
+    parser.add_argument("--speed", type=float, default=1.0, help="time compression of the workloads")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    parser.add_argument("--json", default=None, help="write the results here, and a PNG next to it")
+    parser.add_argument(
+        "--workdir", default=None, help="where the servers' and routers' logs go (default: a new temp folder)"
+    )
+
+
+def _chosen(args: argparse.Namespace) -> tuple[list[str], list[Router]]:
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    names = {r.name: r for r in ROUTERS}
+    wanted = [n.strip() for n in args.routers.split(",")] if args.routers else list(names)
+    unknown = [w for w in workloads if w not in WORKLOADS] + [n for n in wanted if n not in names]
+    if unknown or not workloads or not wanted:
+        raise SystemExit(f"prefixgate bench vllm: unknown or no workloads/routers: {', '.join(unknown)}")
+    return workloads, [names[n] for n in wanted]
+
+
+def _sessions(name: str, speed: float) -> list[Session]:
+    params = WORKLOADS[name]
+    sessions = agent_sessions(params) if isinstance(params, AgentParams) else grouped_sessions(params)
+    return scaled(sessions, speed)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    workloads, routers = _chosen(args)
+    spec = VllmSpec(count=args.servers, num_blocks=args.num_blocks)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="prefixgate-bench-vllm-"))
+    print(f"bench vllm: logs in {workdir}", flush=True)
+    results: dict[str, dict[str, Any]] = {w: {} for w in workloads}
+    start = time.monotonic()
+    with vllm_fleet(spec, workdir) as servers:
+        print(f"bench vllm: {spec.count} vLLM servers up after {time.monotonic() - start:.0f} s", flush=True)
+        for workload in workloads:
+            words = _sessions(workload, args.speed)
+            ids = as_token_ids(words) if any(r.token_ids for r in routers) else words
+            for r, router in enumerate(routers):
+                label = f"{workload} {r + 1}/{len(routers)} {router.name}"
+                sessions = ids if router.token_ids else words
+                row = run_row(router, sessions, servers, spec, workdir, args, label)
+                results[workload][router.name] = row
+            print(_tables(workload, results[workload], [s.id for s in servers]), flush=True)
+    payload = {
+        "servers": spec.count,
+        "block_size": BLOCK_SIZE,
+        "num_blocks": spec.num_blocks,
+        "model": spec.model,
+        "speed": args.speed,
+        "workload_params": {w: _params(WORKLOADS[w]) for w in workloads},
+        "results": results,
+        "notes": {name: note for name, note in NOTES.items() if any(r.name == name for r in routers)},
+        "elapsed_s": time.monotonic() - start,
+    }
+    for name, note in payload["notes"].items():
+        print(f"note: {name}: {note}")
+    if args.json:
+        write_json(args.json, payload)
+        title = f"{spec.count} vLLM CPU servers (SmolLM2-135M, {spec.num_blocks} blocks of {BLOCK_SIZE})"
+        bar_panels(Path(args.json).with_suffix(".png"), title, _panels(results))
+    return payload
+
+
+def _params(params: AgentParams | GroupedParams) -> dict[str, Any]:
+    return {field: getattr(params, field) for field in params.__dataclass_fields__}
+
+
+_COLUMNS = (
+    ("TTFT mean s", "ttft_s", "mean"),
+    ("TTFT p50 s", "ttft_s", "p50"),
+    ("TTFT p99 s", "ttft_s", "p99"),
+    ("E2E p50 s", "e2e_s", "p50"),
+    ("E2E p99 s", "e2e_s", "p99"),
+)
+
+
+def _tables(workload: str, rows: dict[str, dict[str, Any]], server_ids: Sequence[str]) -> str:
+    main, spread = [], []
+    for name, r in rows.items():
+        latency = ["-" if r[key][stat] is None else r[key][stat] for _, key, stat in _COLUMNS]
+        errors = ", ".join(f"{k}={v}" for k, v in r["errors"].items()) or "0"
+        main.append([name, *latency, r["hit_rate"], r["imbalance"], r["completed"], errors])
+        servers = r["servers"]
+        spread.append(
+            [name, *(f"{servers[s]['requests']:.0f} ({servers[s]['hit_rate']:.0%})" for s in server_ids)]
+        )
+    header = ["router", *(c[0] for c in _COLUMNS), "hit rate", "imbalance", "completed", "errors"]
+    return "\n\n".join(
+        [
+            format_table(f"bench vllm: {workload}", header, main),
+            format_table("requests per server (its prefix-cache hit rate), from vLLM's /metrics",
+                         ["router", *server_ids], spread),
+        ]
+    )  # fmt: skip
+
+
+def _short(name: str) -> str:
+    return name.replace("prefixgate ", "pg ").replace("vllm-router ", "vr ").replace(" precise", "")
+
+
+def _panels(results: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[str, dict[str, float]]]:
+    panels = []
+    for workload, rows in results.items():
+        for title, key, stat in (("TTFT mean s", "ttft_s", "mean"), ("TTFT p99 s", "ttft_s", "p99")):
+            values = {_short(n): r[key][stat] for n, r in rows.items() if r[key][stat] is not None}
+            panels.append((f"{workload}: {title}", values))
+        panels.append((f"{workload}: hit rate", {_short(n): r["hit_rate"] for n, r in rows.items()}))
+    return panels

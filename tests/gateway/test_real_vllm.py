@@ -1,0 +1,324 @@
+"""The gateway in front of a real vLLM server (vLLM's CPU build, SmolLM2-135M, bench.vllm_fleet):
+precise mode's index against what vLLM reports it reused, the index across a vLLM restart, and the
+OpenAI API passed through untouched.
+
+One server for the module, with a prefix cache of 48 blocks of 32 tokens, so that a few prompts of
+~500 tokens evict one another; one `prefixgate serve` process in front of it, following its KV
+events over ZMQ. The vLLM venv is made on first use (bench.vllm_env, ~2 minutes once); the module
+then takes about two minutes, two vLLM start-ups (~35 s each) included.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from bench.vllm_fleet import (
+    BLOCK_SIZE,
+    VllmServer,
+    VllmSpec,
+    gateway,
+    reset_prefix_caches,
+    restart,
+    vllm_fleet,
+)
+from bench.words import text_of
+from gateway.proxy import PREDICTED_CACHED_HEADER
+
+SPEC = VllmSpec(count=1, num_blocks=48, max_model_len=1024, tools=True)
+# Seconds the gateway's index may take to reflect what vLLM published: events travel over loopback
+# in milliseconds; a restarted server is noticed when the follower reconnects.
+INDEX_TIMEOUT_S = 30.0
+SETTLED_S = 0.1
+
+
+@dataclass
+class Fleet:
+    server: VllmServer
+    gateway: str
+    workdir: Path
+
+    def replica(self) -> dict[str, Any]:
+        """The gateway's view of the replica (/admin/replicas: open on loopback)."""
+        response = httpx.get(f"{self.gateway}/admin/replicas", timeout=5.0)
+        response.raise_for_status()
+        (replica,) = response.json()["replicas"]
+        return replica
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    workdir = tmp_path_factory.mktemp("vllm")
+    with (
+        vllm_fleet(SPEC, workdir) as servers,
+        gateway(servers, SPEC, workdir, "prefix_aware", precise=True) as url,
+    ):
+        yield Fleet(servers[0], url, workdir)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = INDEX_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen in {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def settle(fleet: Fleet) -> None:
+    """Until the follower has applied no new batch for SETTLED_S: what vLLM published for the answer
+    just received is in the index (it publishes after every engine step, before the answer ends)."""
+    applied = fleet.replica()["kv_sync"]["batches_applied"]
+    while True:
+        time.sleep(SETTLED_S)
+        now = fleet.replica()["kv_sync"]["batches_applied"]
+        if now == applied:
+            return
+        applied = now
+
+
+@pytest.fixture
+def empty(fleet: Fleet) -> Fleet:
+    """The server's prefix cache emptied, and the gateway's index with it (AllBlocksCleared)."""
+    reset_prefix_caches([fleet.server], SPEC.model)
+    wait_until(lambda: fleet.replica()["index_blocks"] == 0, "the index emptying")
+    settle(fleet)
+    return fleet
+
+
+def tokens(fleet: Fleet, prompt: str) -> int:
+    body = {"model": SPEC.model, "prompt": prompt}
+    return int(httpx.post(f"{fleet.server.url}/tokenize", json=body, timeout=10.0).json()["count"])
+
+
+def off_boundary(fleet: Fleet, words: list[int]) -> str:
+    """The words as a prompt whose token count is not a multiple of the block size (one more word
+    until it is not): vLLM never reuses a prompt's last token, so a prompt that ends on a block
+    boundary is reported one block short of what it holds (test_block_boundary_prompt)."""
+    while tokens(fleet, text_of(words)) % BLOCK_SIZE == 0:
+        words = [*words, words[-1]]
+    return text_of(words)
+
+
+@dataclass(frozen=True)
+class Reuse:
+    predicted: int  # the gateway's x-prefixgate-predicted-cached-tokens
+    cached: int  # vLLM's usage.prompt_tokens_details.cached_tokens
+    prompt_tokens: int
+
+
+def complete(fleet: Fleet, prompt: str) -> Reuse:
+    """One completion through the gateway, and what it says of the cache, once the index settled."""
+    body = {"model": SPEC.model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    response = httpx.post(f"{fleet.gateway}/v1/completions", json=body, timeout=60.0)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    settle(fleet)
+    return Reuse(
+        int(response.headers[PREDICTED_CACHED_HEADER]),
+        int(usage["prompt_tokens_details"]["cached_tokens"]),
+        int(usage["prompt_tokens"]),
+    )
+
+
+def documents(count: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 30000) for _ in range(length)] for _ in range(count)]
+
+
+def test_precise_index_matches_what_vllm_reuses(empty: Fleet) -> None:
+    """24 sequential requests over 4 documents of ~480 tokens (each ~15 blocks, four of them ~60,
+    against a cache of 47 usable blocks), each with a question of its own: prefixes shared, and
+    evicted in part or whole as the others come. The prediction equals vLLM's reuse every time."""
+    docs = documents(4, 170)
+    rng = random.Random(1)
+    order = "AABABCACBDABCDAABCDDBACB"
+    best: dict[str, int] = {}
+    reuses: list[tuple[str, Reuse]] = []
+    for letter in order:
+        question = [rng.randrange(1000, 30000) for _ in range(rng.randrange(8, 20))]
+        reuse = complete(empty, off_boundary(empty, docs[ord(letter) - ord("A")] + question))
+        reuses.append((letter, reuse))
+    assert [r.predicted for _, r in reuses] == [r.cached for _, r in reuses], reuses
+    hits = [r for _, r in reuses if r.cached]
+    assert len(hits) >= 10, reuses
+    evicted = 0
+    for letter, reuse in reuses:
+        if reuse.cached < best.get(letter, 0):
+            evicted += 1  # the document was held longer before: the cache let part of it go
+        best[letter] = max(best.get(letter, 0), reuse.cached)
+    assert evicted >= 2, reuses
+
+
+def test_block_boundary_prompt(empty: Fleet) -> None:
+    """A prompt of a whole number of blocks, sent twice: vLLM holds them all but reuses all but the
+    last, since it must compute at least the prompt's last token, and the gateway predicts as much."""
+    doc = documents(1, 200, seed=2)[0]
+    # The first prefix of the document of 20 words or more that ends on a block boundary (a word is
+    # 1-4 tokens, so one comes within a few blocks' worth of words).
+    prompt = next(
+        text for k in range(20, len(doc)) if tokens(empty, text := text_of(doc[:k])) % BLOCK_SIZE == 0
+    )
+    complete(empty, prompt)
+    reuse = complete(empty, prompt)
+    assert reuse.prompt_tokens % BLOCK_SIZE == 0 and reuse.cached == reuse.prompt_tokens - BLOCK_SIZE
+    assert reuse.predicted == reuse.cached
+
+
+def test_index_follows_a_vllm_restart(empty: Fleet) -> None:
+    """Held before the restart; after it (the publisher's numbering starts over, its replay buffer
+    no longer holds what the gateway applied) the replica's entries are cleared: the gateway predicts
+    nothing for the prefix it held, and matches vLLM again once the prefix is computed anew."""
+    doc = documents(1, 170, seed=3)[0]
+    prompts = [off_boundary(empty, [*doc, 2000 + i, 3000 + i, 4000 + i]) for i in range(3)]
+    complete(empty, prompts[0])
+    held = complete(empty, prompts[1])
+    assert held.predicted == held.cached > 0
+    resyncs = empty.replica()["kv_sync"]["resyncs"]
+
+    restart(empty.server, SPEC, empty.workdir)
+    wait_until(
+        lambda: (r := empty.replica())["kv_sync"]["resyncs"] > resyncs and r["healthy"],
+        "the gateway clearing the restarted replica's entries",
+    )
+    after = complete(empty, prompts[2])
+    assert after.predicted == after.cached == 0
+    again = complete(empty, prompts[0])
+    assert again.predicted == again.cached > 0
+
+
+# -- the OpenAI API through the gateway ---------------------------------------------------------------
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+TOOL_HISTORY: list[Any] = [
+    {"role": "system", "content": "You are a weather assistant. Use the tools when you need data."},
+    {"role": "user", "content": "What is the weather in Lyon?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21, "sky": "clear"}'},
+    {"role": "user", "content": "Should I take an umbrella?"},
+]
+CITY_SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "city",
+        "schema": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+            "required": ["city", "country"],
+        },
+    },
+}
+
+
+def clients(fleet: Fleet) -> tuple[openai.OpenAI, openai.OpenAI]:
+    """The official client through the gateway, and straight to vLLM."""
+
+    def client(url: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60.0)
+
+    return client(fleet.gateway), client(fleet.server.url)
+
+
+def answers(response: Any) -> dict[str, Any]:
+    """What must be identical: the choices and the token counts (ids, timestamps and the cached
+    count, which depends on what ran before, are not)."""
+    usage = response.usage
+    return {
+        "choices": [c.model_dump() for c in response.choices],
+        "tokens": (usage.prompt_tokens, usage.completion_tokens),
+    }
+
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "tools": (
+        "chat",
+        {"messages": TOOL_HISTORY, "tools": [WEATHER_TOOL], "tool_choice": "auto", "max_tokens": 24},
+    ),
+    # vLLM refuses n > 1 under greedy sampling: seeded sampling is as reproducible.
+    "n": ("chat", {"messages": TOOL_HISTORY[:2], "n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 12}),
+    "chat logprobs": (
+        "chat",
+        {"messages": TOOL_HISTORY[:2], "logprobs": True, "top_logprobs": 3, "max_tokens": 8},
+    ),
+    "completion logprobs": (
+        "completion",
+        {"prompt": "The capital of France is", "logprobs": 3, "max_tokens": 8},
+    ),
+    "response_format": (
+        "chat",
+        {
+            "messages": [{"role": "user", "content": "Name a city in France as JSON."}],
+            "response_format": CITY_SCHEMA,
+            "max_tokens": 40,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_passthrough_answers_as_vllm(fleet: Fleet, case: str) -> None:
+    """Each request through the gateway and straight to vLLM, each on an empty cache (a cached
+    prefix changes the arithmetic, and with it the low bits of logprobs): the same answers."""
+    kind, body = CASES[case]
+    results = []
+    for client in clients(fleet):
+        reset_prefix_caches([fleet.server], SPEC.model)
+        create = client.chat.completions.create if kind == "chat" else client.completions.create
+        results.append(answers(create(model=SPEC.model, **{"temperature": 0, **body})))
+    through, direct = results
+    assert through == direct
+    if case == "n":
+        assert len(direct["choices"]) == 2
+    if case == "response_format":
+        assert direct["choices"][0]["message"]["content"].lstrip().startswith("{")
+
+
+def test_passthrough_stream_with_usage(fleet: Fleet) -> None:
+    """A stream asking for usage gets vLLM's chunks, the usage chunk last, as vLLM sends them."""
+    results = []
+    for client in clients(fleet):
+        reset_prefix_caches([fleet.server], SPEC.model)
+        stream = client.chat.completions.create(
+            model=SPEC.model,
+            messages=TOOL_HISTORY[:2],
+            temperature=0,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+        assert usage is not None and not chunks[-1].choices
+        results.append((text, usage.prompt_tokens, usage.completion_tokens, len(chunks)))
+    through, direct = results
+    assert through == direct
+    assert direct[0] and direct[2] == 16
