@@ -273,14 +273,13 @@ def simulate(
             moved += last_replica.get(session) != chosen.id
         last_replica[session] = chosen.id
         if hashes:
+            # Approximate: predicted until its TTL; precise: in flight until settled at its end.
             held.hashes = hashes
-            if precise:
-                index.insert(chosen.id, hashes, expires_at=now + prediction_ttl_s)
-            else:
+            if not precise:
                 horizon = pending_horizon(chosen.requests.values())
                 held.predicted = index.predicted(chosen.id, hashes, horizon)
                 held.recorded_tick = index.tick_now(chosen.id)
-                index.insert(chosen.id, hashes, expires_at=now + prediction_ttl_s)
+            index.insert(chosen.id, hashes, expires_at=now + prediction_ttl_s)
         if idle:
             heapq.heappush(busy, (chosen.clock.now(), fleet.index(chosen)))
     end = max(r.clock.now() for r in fleet)

@@ -57,6 +57,8 @@ PREDICTED_CACHED_HEADER = "x-prefixgate-predicted-cached-tokens"
 POLICY_HEADER = "x-prefixgate-policy"
 PREFILL_REPLICA_HEADER = "x-prefixgate-prefill-replica"
 _TAIL_BYTES = 2048
+# A replica's token count above this is no count (a float, which metrics add in, holds no more exactly).
+_MAX_COUNT = 2**53
 # Set on a request once its outcome is counted, so that the cancellation of a client that left is not
 # counted again, unlabelled, by the middleware.
 ACCOUNTED = web.RequestKey("accounted", bool)
@@ -200,10 +202,11 @@ def _usage(headers: Mapping[str, str], tail: bytes, replica: Replica) -> tuple[i
     """(prompt_tokens, cached_tokens) as the replica reported them: the usage object at the end of its
     answer, which counts both in the replica's own unit; without one, a bundled worker's header, whose
     count is of the gateway's ids (a worker declared foreign tokenizes the text itself, in its own)."""
-    prompt, cached = usage_numbers(tail)
+    prompt, cached = (n if n is not None and n <= _MAX_COUNT else None for n in usage_numbers(tail))
     value = headers.get(CACHED_TOKENS_HEADER)
-    if cached is None and replica.kind == "bundled" and value is not None and value.isascii():
-        return (None, int(value)) if value.isdigit() else (None, None)
+    if cached is None and replica.kind == "bundled" and value is not None:
+        count = int(value) if value.isascii() and value.isdigit() and len(value) < 16 else None
+        return None, count
     return prompt, cached
 
 

@@ -28,20 +28,21 @@ class ReportedUnit:
     """A backend's block in its own tokens, learned from the cached_tokens it reports."""
 
     divisor: int = 0
+    # Nonzero reports that differed from the one before: a repeat (a prompt sent again) is no new
+    # evidence of what the block is.
     distinct: int = 0
-    _last: int = 0
+    last: int = 0
 
     def observe(self, cached_tokens: int) -> None:
-        if cached_tokens <= 0 or cached_tokens == self._last:
+        if cached_tokens <= 0 or cached_tokens == self.last:
             return
-        self._last = cached_tokens
-        divisor = math.gcd(self.divisor, cached_tokens)
+        self.last = cached_tokens
+        self.divisor = math.gcd(self.divisor, cached_tokens)
         self.distinct += 1
-        self.divisor = divisor
 
     def block(self, configured: int) -> int:
-        """The backend's block in its tokens: learned once REPORTS_FOR_BLOCK reports agree, else the
-        configured block size."""
+        """The backend's block in its tokens: the common divisor of REPORTS_FOR_BLOCK distinct reports
+        or more, else the configured block size."""
         return self.divisor if self.distinct >= REPORTS_FOR_BLOCK else configured
 
 
@@ -61,9 +62,12 @@ def realised_blocks(
     `reported_prompt` is the backend's count of the same prompt (None: it counts the gateway's tokens,
     as a bundled worker does); `block_size` the gateway's block for this replica, `backend_block` the
     backend's in its own tokens."""
-    scale = prompt_tokens / reported_prompt if reported_prompt else 1.0
-    reused = cached_tokens * scale
-    slack = 2 * backend_block * scale + block_size
+    # In integers: a replica's counts are whatever it sends, of any size.
+    if reported_prompt:
+        reused = min(cached_tokens, reported_prompt) * prompt_tokens // reported_prompt
+        slack = 2 * backend_block * prompt_tokens // reported_prompt + block_size
+    else:
+        reused, slack = cached_tokens, 2 * backend_block + block_size
     if reused + slack >= predicted_blocks * block_size:
-        return min(max(predicted_blocks, int(reused // block_size)), hashed_blocks)
-    return min(int(reused // block_size), hashed_blocks)
+        return min(max(predicted_blocks, reused // block_size), hashed_blocks)
+    return min(reused // block_size, hashed_blocks)

@@ -192,3 +192,28 @@ def test_a_replica_counting_words_keeps_its_sessions(
     assert moved == 0
     assert under == 0
     assert all(c is None for c in learned(gateway).values()), learned(gateway)
+
+
+def test_a_replica_reporting_absurd_usage_is_relayed_and_not_learned_from(
+    recording_backend: Callable[..., tuple[RecordingBackend, str]],
+    start_gateway: Callable[..., RunningGateway],
+) -> None:
+    """A foreign replica's usage counts of a thousand digits, or far larger than any prompt: read as a
+    share of the prompt, capped at the prompt's blocks, they say nothing absurd of its cache; the
+    client gets the answer as sent, /metrics stays sound, and the next request is served as before."""
+    answer = (
+        b'{"id":"c","object":"text_completion","created":0,"model":"foreign-m","choices":[{"index":0,'
+        b'"text":"hi","finish_reason":"stop"}],"usage":{"prompt_tokens":' + b"9" * 1000 + b","
+        b'"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":' + b"7" * 1000 + b"}}}"
+    )
+    huge = answer.replace(b"9" * 1000, b"12").replace(b"7" * 1000, b"99999999999")
+    backend, url = recording_backend("b0", answers={("/v1/completions", False): answer})
+    gateway = start_gateway([url], models={"foreign-m": {"tokenizer": "default"}})
+    body = {"model": "foreign-m", "prompt": "a prompt of some words " * 20, "max_tokens": 1}
+    for sent in (answer, huge):
+        backend.answers[("/v1/completions", False)] = sent
+        got = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=30)
+        assert got.status_code == 200 and got.content == sent
+    assert httpx.get(f"{gateway.url}/metrics", timeout=10).status_code == 200
+    backend.answers[("/v1/completions", False)] = huge.replace(b"99999999999", b"0")
+    assert httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=30).status_code == 200
