@@ -5,12 +5,17 @@ Separate processes because the load generator, the workers and the gateway must 
 interpreter lock: in one process each would queue behind the others' Python and the measurement
 would be of the lock. Started from the CLI because that is what an operator runs. Every process is
 stopped on the way out (SIGINT, then SIGKILL), errors included; each writes to a log file in the
-work folder, whose tail is shown when a process fails to start.
+work folder, whose tail is shown when a process fails to start. Every process gets the same KV
+transfer secret in its environment (`transfer_secret`), so prefill and decode workers pair up, and a
+benchmark can sign a pairing itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import secrets
 import shutil
 import signal
 import socket
@@ -25,6 +30,7 @@ from typing import Any
 import httpx
 import yaml
 
+from protocol.transfer_auth import SECRET_ENV
 from workers.sim.profiles import get_profile
 
 # Each process imports the worker stack (torch included, about 4 s of CPU); a fleet of five starting
@@ -112,10 +118,19 @@ def gateway_config(model: str, worker_urls: Sequence[str], policy: str, port: in
     }
 
 
+@functools.cache
+def transfer_secret() -> str:
+    """The KV transfer secret of the fleets this process starts: the environment's, or one made now."""
+    return os.environ.get(SECRET_ENV) or secrets.token_hex(32)
+
+
 def spawn(name: str, command: list[str], url: str, workdir: Path) -> Child:
     log = workdir / f"{name}.log"
+    env = {**os.environ, SECRET_ENV: transfer_secret()}
     with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
     return Child(name, url, proc, log)
 
 

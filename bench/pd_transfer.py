@@ -18,6 +18,7 @@ import asyncio
 import random
 import statistics
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,15 @@ import httpx
 import torch
 from tqdm import tqdm
 
-from bench.local_fleet import Child, LocalFleet, cli, free_port, spawn, stop, wait_ready
+from bench.local_fleet import Child, LocalFleet, cli, free_port, spawn, stop, transfer_secret, wait_ready
 from bench.report import bar_panels, format_table, write_json
-from protocol.disaggregation import PULL_MS_HEADER, TRANSFER_MS_HEADER, TRANSFERRED_TOKENS_HEADER
+from protocol.disaggregation import (
+    PREFILL_FIELD,
+    PULL_MS_HEADER,
+    TRANSFER_MS_HEADER,
+    TRANSFERRED_TOKENS_HEADER,
+)
+from protocol.transfer_auth import grant
 from workers.engine.llm import load
 from workers.engine.model_runner import ModelRunner
 from workers.kv_transfer import TransferServer, send_blocks
@@ -43,7 +50,7 @@ async def _push(source: ModelRunner, receiver: TransferServer, blocks: list[int]
     hashes = list(range(len(blocks)))
     arrived = receiver.expect(tag, hashes, blocks)
     start = time.perf_counter()
-    await send_blocks("127.0.0.1", receiver.port, tag, hashes, blocks, source)
+    await send_blocks("127.0.0.1", receiver.port, tag, hashes, blocks, source, secret=receiver.secret)
     await arrived
     return time.perf_counter() - start
 
@@ -65,7 +72,7 @@ def throughput(model: Any, sizes: list[int], repeats: int) -> list[dict[str, Any
     source.kv_cache.copy_(torch.randn_like(source.kv_cache))
 
     async def main() -> list[dict[str, Any]]:
-        receiver = TransferServer(target)
+        receiver = TransferServer(target, transfer_secret().encode())
         await receiver.start()
         rows = []
         for tokens in tqdm(sizes, desc="loopback transfer", unit="prompt"):
@@ -148,7 +155,11 @@ def ttft_share(sizes: list[int], workdir: Path, threads: int) -> list[dict[str, 
                 prompt = [rng.randrange(1000, 40000) for _ in range(tokens)]
                 body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
                 mixed, mixed_text, _ = _first_token(client, urls["mixed"], body)
-                pd_body = {**body, "prefixgate_prefill": {"url": urls["prefill"]}}
+                # Signed as the gateway would: the decode worker pulls for no other grant.
+                pd_body = {
+                    **body,
+                    PREFILL_FIELD: grant(transfer_secret().encode(), urls["prefill"], uuid.uuid4().hex),
+                }
                 pd, pd_text, headers = _first_token(client, urls["decode"], pd_body)
                 pull = float(headers.get(PULL_MS_HEADER, "nan")) / 1000
                 push = float(headers.get(TRANSFER_MS_HEADER, "nan")) / 1000

@@ -22,18 +22,21 @@ import secrets
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
+from multidict import CIMultiDict
 
 from gateway.config import GatewayConfig, ReplicaEntry, load_config
 from gateway.gateway import Gateway
+from gateway.internal_fields import INTERNAL_HEADER_PREFIX
 from gateway.openapi import OPENAPI
 from gateway.pd_legs import PAIRED_ROUTES
-from gateway.proxy import ACCOUNTED, Routed, forward
+from gateway.proxy import ACCOUNTED, HOP_BY_HOP, Routed, connection_named, forward
 from gateway.replicas import Replica
 from gateway.request_view import PREFIX_ROUTES, RequestView, Route, read_request
 from gateway.router import Decision, decide
@@ -71,24 +74,20 @@ PROXIED_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 # Client headers that describe the client's connection to the gateway, or that the gateway sets itself
 # upstream: never forwarded. The body arrives decoded, hence Content-Encoding; Accept-Encoding too, so
 # that replicas answer uncompressed and the gateway can read the usage it learns from.
-_NOT_FORWARDED = frozenset(
-    {
-        "host",
-        "connection",
-        "keep-alive",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-        "content-length",
-        "content-encoding",
-        "accept-encoding",
-        "expect",
-        "authorization",
-    }
-)
+_NOT_FORWARDED = HOP_BY_HOP | {
+    "host",
+    "content-length",
+    "content-encoding",
+    "accept-encoding",
+    "expect",
+    "authorization",
+    "x-forwarded-for",
+    "x-forwarded-proto",
+    "x-forwarded-host",
+}
+# Admin routes that act on what their body says, and the one content type they take.
+_JSON = "application/json"
+_MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
 # -- the OpenAI API -------------------------------------------------------------------------------
@@ -120,12 +119,38 @@ def _model_of(gw: Gateway, name: str | None, required: bool) -> str | None:
 
 
 def _session_key(gw: Gateway, request: web.Request, view: RequestView) -> str | None:
-    return request.headers.get(gw.config.routing.session_affinity.header) or view.user
+    """The session header, else the `user` field. A header is bytes, whatever it holds: one that is not
+    UTF-8 (aiohttp's surrogate escapes) is a key as good as any, its bytes written as escapes."""
+    header = request.headers.get(gw.config.routing.session_affinity.header)
+    if header:
+        return header.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return view.user
 
 
-def forwarded_headers(request: web.Request) -> dict[str, str]:
-    """The client's end-to-end headers, as they go upstream (Authorization by the config's rule)."""
-    return {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
+    """The client's end-to-end headers, as they go upstream (Authorization by the config's rule), each
+    repeat kept (Cookie): less the hop-by-hop ones, those the client's Connection header names included.
+    The gateway records its hop as a reverse proxy does: X-Forwarded-For gains the client's address
+    after any the client sent (a replica trusts only the last one); X-Forwarded-Proto and
+    X-Forwarded-Host, how the client reached the gateway, replace any the client sent. A `Forwarded`
+    header goes as sent. `x-prefixgate-*` headers are the gateway's and its workers' alone (as the
+    body's fields: gateway.internal_fields), so a client's never go upstream."""
+    dropped = _NOT_FORWARDED | connection_named(request.headers)
+    headers = CIMultiDict(
+        (k, v)
+        for k, v in request.headers.items()
+        if k.lower() not in dropped and not k.lower().startswith(INTERNAL_HEADER_PREFIX)
+    )
+    chain = [v for v in request.headers.getall("X-Forwarded-For", ()) if v.strip()]
+    if request.remote:
+        chain.append(request.remote)
+    if chain:
+        headers["X-Forwarded-For"] = ", ".join(chain)
+    headers["X-Forwarded-Proto"] = request.scheme
+    host = request.headers.get("Host")
+    if host:
+        headers["X-Forwarded-Host"] = host
+    return headers
 
 
 async def read_body(gw: Gateway, request: web.Request) -> bytes:
@@ -186,10 +211,25 @@ def _proxied_path(path: str) -> bool:
 
 
 async def _proxied(request: web.Request, route: Route) -> web.StreamResponse:
-    """One proxied request, counted in the gateway's in-flight total from before its body is read
-    until its response ends (or its client leaves): past `limits.max_inflight` it is refused with 429
-    before it costs anything, which is what bounds the gateway's memory under a burst."""
+    """One proxied request, counted in the gateway's in-flight total once its body has arrived until
+    its response ends (or its client leaves). Past `limits.max_inflight` it is refused with 429: at
+    once when the gateway is full as it arrives (its body unread: what bounds the gateway's memory
+    under a burst), else once its body is in. Its body is read outside the total, under its own
+    budget (`limits.body_timeout_s`), so that clients sending theirs slowly hold no slot that others'
+    requests need."""
     gw = request.app[GATEWAY]
+    arrival = time.monotonic()
+    _admissible(gw)
+    raw = await read_body(gw, request) if request.body_exists else b""
+    _admissible(gw)
+    gw.inflight += 1
+    try:
+        return await _route_and_forward(gw, request, route, raw, arrival)
+    finally:
+        gw.inflight -= 1
+
+
+def _admissible(gw: Gateway) -> None:
     limit = gw.config.limits.max_inflight
     if gw.inflight >= limit:
         raise ApiError(
@@ -198,21 +238,17 @@ async def _proxied(request: web.Request, route: Route) -> web.StreamResponse:
             code="gateway_overloaded",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
-    gw.inflight += 1
-    try:
-        return await _route_and_forward(gw, request, route)
-    finally:
-        gw.inflight -= 1
 
 
-async def _route_and_forward(gw: Gateway, request: web.Request, route: Route) -> web.StreamResponse:
-    arrival = time.monotonic()
-    raw = await read_body(gw, request) if request.body_exists else b""
+async def _route_and_forward(
+    gw: Gateway, request: web.Request, route: Route, raw: bytes, arrival: float
+) -> web.StreamResponse:
     body = _json_body(request, route, raw)
     view = read_request(route, body)
     model = _model_of(gw, view.model, required=route in PREFIX_ROUTES)
     replicas = gw.replicas.serving(model) if model is not None else gw.replicas.all()
-    tokens = await gw.tokenizers.prompt_ids(view, model) if model is not None else None
+    prompt = await gw.tokenizers.prompt(view, model, gw.config.limits) if model is not None else None
+    tokens = prompt.ids if prompt is not None else None
     decision = await _decide(gw, request, route, view, replicas, tokens)
     predicted = recorded_tick = in_flight = None
     if route in PREFIX_ROUTES:
@@ -235,12 +271,12 @@ async def _route_and_forward(gw: Gateway, request: web.Request, route: Route) ->
         route=route,
         model=model or "",
         method=request.method,
-        target=request.raw_path,
+        target=request.rel_url.raw_path_qs,  # origin-form: an absolute-form target names no host upstream
         raw=raw,
         body=body,
         headers=forwarded_headers(request),
         tokens=tokens,
-        tokenized=view.token_ids is None and tokens is not None,
+        tokenized=prompt is not None and prompt.tokenized,
         decision=decision,
         arrival=arrival,
         authorization=request.headers.get("Authorization"),
@@ -400,7 +436,8 @@ async def debug_route(request: web.Request) -> web.Response:
         raise ApiError(
             400, "nothing to route: give a prompt, messages or input", param="prompt", code="invalid_value"
         )
-    tokens = await gw.tokenizers.prompt_ids(view, model)
+    prompt = await gw.tokenizers.prompt(view, model, gw.config.limits)
+    tokens = prompt.ids if prompt is not None else None
     session = _session_key(gw, request, view)
     replicas = gw.replicas.serving(model)
     decision = decide(gw.policy, gw.index, replicas, tokens, session, gw.pd, route in PAIRED_ROUTES)
@@ -420,10 +457,21 @@ async def debug_route(request: web.Request) -> web.Response:
 # -- middleware -----------------------------------------------------------------------------------
 
 
-def _bearer(request: web.Request) -> str | None:
+def _bearer(request: web.Request) -> bytes | None:
+    """The bearer token's bytes, as the client sent them (aiohttp hands header values over as UTF-8
+    with surrogate escapes, which give them back), or None when there is none."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token.encode("utf-8", "surrogateescape")
+
+
+def _matches(token: bytes | None, secrets: Iterable[str]) -> bool:
+    """Whether `token` is one of `secrets`, compared as bytes in constant time: a token of any bytes is
+    a wrong one (401), never an error."""
+    return token is not None and any(hmac.compare_digest(token, s.encode()) for s in secrets)
 
 
 def _is_loopback(host: str) -> bool:
@@ -434,11 +482,19 @@ def _is_loopback(host: str) -> bool:
 
 
 def _authorize(gw: Gateway, request: web.Request) -> None:
+    """API keys on the API routes; on the admin and debug routes, the admin token, or none at all.
+
+    What the admin API trusts: with a token, whoever sends it. Without one (allowed only on a loopback
+    listener), whoever can open a connection to that listener: every local user and process. A web
+    page the operator visits can make the browser send requests there too; these are refused: a
+    request from another origin (its Origin, or Sec-Fetch-Site other than same-origin or none), a Host
+    that is not a loopback name or address with the listener's port (a page's own name, which DNS
+    rebinding points at 127.0.0.1), and a mutating request whose body is not JSON (the forms and plain
+    text a page may send without asking first: 415)."""
     path = request.path
     if _proxied_path(path):
         keys = gw.config.api_keys()
-        token = _bearer(request)
-        if keys and not (token and any(hmac.compare_digest(token, k) for k in keys)):
+        if keys and not _matches(_bearer(request), keys):
             raise ApiError(
                 401,
                 "a valid API key is required (Authorization: Bearer KEY)",
@@ -455,12 +511,82 @@ def _authorize(gw: Gateway, request: web.Request) -> None:
                     code="admin_disabled",
                     type="permission_error",
                 )
-            return
-        token = _bearer(request)
-        if not (token and hmac.compare_digest(token, admin)):
+            _loopback_host(request)
+        _same_origin(request)
+        if admin is not None and not _matches(_bearer(request), [admin]):
             raise ApiError(
                 401, "the admin token is required", code="invalid_admin_token", type="authentication_error"
             )
+        _json_only(request)
+
+
+def _authority(value: str) -> tuple[str, int | None] | None:
+    """A Host header's or an origin's host (lower case) and port (None: the scheme's default), or None
+    when it is none."""
+    try:
+        parts = urlsplit(f"//{value}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    if not host or parts.path or parts.query or parts.fragment or parts.username is not None:
+        return None
+    return host, port
+
+
+def _forbidden(message: str, code: str) -> ApiError:
+    return ApiError(403, message, code=code, type="permission_error")
+
+
+def _loopback_host(request: web.Request) -> None:
+    """A tokenless admin API answers only requests addressed to it by a loopback name or address and its
+    own port, in origin form."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    port = sockname[1] if sockname else None
+    found = _authority(request.headers.get("Host", ""))
+    default = 443 if request.secure else 80
+    if (
+        not request.raw_path.startswith("/")
+        or found is None
+        or not _is_loopback(found[0])
+        or (found[1] or default) != port
+    ):
+        raise _forbidden(
+            f"without an admin token, admin routes answer only requests to localhost or a loopback address "
+            f"on port {port} (Host: {request.headers.get('Host', '')!r})",
+            "admin_host_refused",
+        )
+
+
+def _same_origin(request: web.Request) -> None:
+    """Admin requests from a web page of another origin are refused: the browser says where it sends
+    them from (Origin on any but a simple GET, Sec-Fetch-Site on every request)."""
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None and site.lower() not in ("same-origin", "none"):
+        raise _forbidden(
+            f"admin routes refuse cross-origin requests (Sec-Fetch-Site: {site})", "cross_origin"
+        )
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return
+    scheme, _, rest = origin.partition("://")
+    default = {"http": 80, "https": 443}.get(scheme.lower())
+    theirs = _authority(rest) if default is not None else None
+    ours = _authority(request.headers.get("Host", ""))
+    if theirs is None or ours is None or (theirs[0], theirs[1] or default) != (ours[0], ours[1] or default):
+        raise _forbidden(f"admin routes refuse cross-origin requests (Origin: {origin})", "cross_origin")
+
+
+def _json_only(request: web.Request) -> None:
+    """A mutating admin request's body, if it has one, is JSON: a browser sends no other type cross-site
+    without asking first (CORS), and this API answers no such question."""
+    given = request.headers.get("Content-Type")
+    has_body = request.body_exists or given is not None
+    if request.method in _MUTATING and has_body and request.content_type.lower() != _JSON:
+        raise ApiError(
+            415,
+            f"admin routes take a JSON body (Content-Type: {_JSON}), not {given or 'none'!r}",
+            code="unsupported_media_type",
+        )
 
 
 @web.middleware
@@ -477,7 +603,11 @@ async def _errors(
             gw.metrics.requests.labels("", "", gw.policy.name, str(error.status), _route_of(request)).inc()
         response = web.json_response(error.to_json(), status=error.status, headers=error.headers)
         if error.headers.get("Connection") == "close":
-            response.force_close()  # no keep-alive (aiohttp still reads what is left, for 10 s at most)
+            # A client whose body did not arrive in time gets its answer, then its connection closed:
+            # no more of the gateway's time (aiohttp would read what is left, for 10 s).
+            await response.prepare(request)
+            await response.write_eof()
+            request.protocol.force_close()
         return response
     except RequestPayloadError as error:
         # A body aiohttp could not read: a corrupt gzip or deflate stream, a broken chunked encoding.

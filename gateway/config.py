@@ -42,6 +42,9 @@ class Auth(_Section):
     forward_client_key: bool = False
     # A key of the gateway's own for foreign backends that require one (the env var holding it).
     upstream_key_env: str | None = None
+    # The fleet's KV transfer secret, shared with its bundled workers (their --transfer-secret): what
+    # the gateway signs each prefill/decode pairing with. Unset, bundled workers are not paired.
+    transfer_secret_env: str | None = "PREFIXGATE_TRANSFER_SECRET"
 
 
 class RedisSection(_Section):
@@ -130,6 +133,11 @@ class ReplicaEntry(_Section):
 class ModelEntry(_Section):
     # "default": SmolLM2's tokenizer (DESIGN §6); a HF folder path; or "none" (token-id prompts only).
     tokenizer: str = "default"
+    # How a foreign backend of this model continues a stream another replica lost mid-answer
+    # (gateway.migration): "none" (the client gets an error event), "completions" (completions with a
+    # text prompt: the prompt plus the text so far, which any OpenAI server takes), or "vllm" (those, and
+    # chat with vLLM's continue_final_message). Bundled workers always continue, from token ids.
+    foreign_continuation: Literal["none", "completions", "vllm"] = "none"
 
 
 class Limits(_Section):
@@ -148,6 +156,13 @@ class Limits(_Section):
     # cores, tests/faults/test_overload.py) the loop lags by seconds, its upstream connects time out,
     # and busy replicas are taken for dead ones.
     max_inflight: int = Field(1024, ge=1)
+    # What one prompt may cost the gateway to route. Its first max_routed_tokens ids are hashed,
+    # matched, recorded and published (128k by default: a whole real context; 8,192 block hashes at
+    # block size 16), the rest routed as if it matched nothing; of its text, the first
+    # max_tokenized_chars characters are tokenized (512 Ki by default: 128k tokens of English text,
+    # about half a second of one core). The replica gets the whole prompt, and judges its length.
+    max_routed_tokens: int = Field(131_072, ge=16)
+    max_tokenized_chars: int = Field(524_288, ge=1024)
 
 
 class Health(_Section):
@@ -209,6 +224,10 @@ class GatewayConfig(_Section):
     def upstream_key(self) -> str | None:
         keys = _secret_list(self.auth.upstream_key_env)
         return keys[0] if keys else None
+
+    def transfer_secret(self) -> str | None:
+        env = self.auth.transfer_secret_env
+        return os.environ.get(env) if env is not None else None
 
     def tokenizer_for(self, model: str) -> str:
         entry = self.models.get(model)

@@ -111,10 +111,15 @@ class Gateway:
             # follower backs off) instead of waiting forever; above XREAD's block time.
             self.redis = connect(self.config.redis.url, REDIS_TIMEOUT_S, decode_responses=True)
             self.redis_ok = False
-        self.sync = IndexSync(self.index, self.session, self.redis)
-        self.zmq_sync = ZmqSync(self.index)
+        rejections = self.metrics.rejections
+        self.sync = IndexSync(self.index, self.session, self.redis, rejections=rejections)
+        self.zmq_sync = ZmqSync(self.index, rejections=rejections)
         self.predictions = Predictions(
-            self.index, ttl_s=self.config.approximate.ttl_s, redis=self.redis, gateway_id=self.gateway_id
+            self.index,
+            ttl_s=self.config.approximate.ttl_s,
+            redis=self.redis,
+            gateway_id=self.gateway_id,
+            rejections=rejections,
         )
         self.predictions.start()
         responses = self.config.responses
@@ -275,7 +280,7 @@ class Gateway:
     async def _registry_loop(self) -> None:
         assert self.redis is not None
         try:
-            registered = await read_registry(self.redis)
+            registered = await read_registry(self.redis, self.metrics.rejections)
         except RedisError as error:
             # Keep routing on what is known; the KV followers and predictions back off on their own.
             if self.redis_ok:

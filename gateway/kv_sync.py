@@ -10,6 +10,11 @@ following resumes right after it.
 Everything runs on the gateway's event loop, as does the routing that reads the index: a batch or a
 resync is applied between two awaits, so a lookup never sees half of one. A follower never gives up:
 failures are kept in its state and retried with bounded backoff, and only cancellation ends it.
+
+Stream entries, batches and snapshots are validated before anything is applied (hashes unsigned 64-bit
+integers, lists and sequence numbers bounded): one that fails is skipped and counted
+(gateway.rejections), and the cursor moves past it, so one bad entry never stalls a follower; the
+hole it leaves in the seqs resyncs as any other.
 """
 
 from __future__ import annotations
@@ -20,15 +25,16 @@ import time
 from collections import deque
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import aiohttp
-import orjson
+import msgspec
 from redis.asyncio import Redis
 
 from gateway.followers import Followers
+from gateway.rejections import Rejections
 from protocol.cancellation import check_cancelled
-from protocol.kv_events import EventBatch
+from protocol.kv_events import EventBatch, KVEvent
 from protocol.redis_keys import kv_stream_key
 from radix.index import RadixIndex
 
@@ -55,6 +61,96 @@ RETRY_MAX_S = 2.0
 # Incarnations seen to end: their late stream entries (a stopping worker flushes its last batches) are
 # skipped instead of each one setting off a resync.
 RETIRED_INCARNATIONS = 8
+
+# What one batch, stream entry or snapshot may hold: far above a real worker's, low enough to bound
+# what a bad one costs.
+MAX_EVENT_HASHES = 1 << 20
+MAX_BATCH_EVENTS = 1 << 16
+MAX_POLL_BATCHES = 1 << 16
+MAX_SNAPSHOT_HASHES = 1 << 26
+MAX_SEQ = 2**63 - 1
+MAX_INCARNATION_CHARS = 256
+
+HASH_MAX = 2**64 - 1
+# Unsigned 64-bit: msgspec bounds ints to int64 only, so the upper bound is checked_hashes'.
+BlockHash = Annotated[int, msgspec.Meta(ge=0)]
+Hashes = Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_EVENT_HASHES)]
+Seq = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
+Incarnation = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_INCARNATION_CHARS)]
+
+
+def checked_hashes(hashes: list[int], parent: int | None = None) -> None:
+    """ValueError unless every hash (and the parent) fits in 64 bits (DESIGN §3); the lower bound is
+    the decoder's."""
+    if (hashes and max(hashes) > HASH_MAX) or (parent is not None and parent > HASH_MAX):
+        raise ValueError("a block hash is not an unsigned 64-bit integer")
+
+
+class _Stored(msgspec.Struct, tag_field="type", tag="stored"):
+    hashes: Hashes = []
+    parent: BlockHash | None = None
+
+    def __post_init__(self) -> None:
+        checked_hashes(self.hashes, self.parent)
+
+
+class _Removed(msgspec.Struct, tag_field="type", tag="removed"):
+    hashes: Hashes = []
+
+    def __post_init__(self) -> None:
+        checked_hashes(self.hashes)
+
+
+class _Cleared(msgspec.Struct, tag_field="type", tag="cleared"):
+    pass
+
+
+_Events = Annotated[list[_Stored | _Removed | _Cleared], msgspec.Meta(max_length=MAX_BATCH_EVENTS)]
+
+
+class _Batch(msgspec.Struct):
+    incarnation: Incarnation
+    seq: Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQ)]
+    events: _Events
+
+
+class _Poll(msgspec.Struct):
+    """A /kv/events reply."""
+
+    seq: Seq
+    batches: Annotated[list[_Batch], msgspec.Meta(max_length=MAX_POLL_BATCHES)]
+
+
+class _Snapshot(msgspec.Struct):
+    incarnation: Incarnation
+    seq: Seq
+    hashes: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_SNAPSHOT_HASHES)]
+
+    def __post_init__(self) -> None:
+        checked_hashes(self.hashes)
+
+
+_EVENTS = msgspec.json.Decoder(_Events)
+_POLL = msgspec.json.Decoder(_Poll)
+_SNAPSHOT = msgspec.json.Decoder(_Snapshot)
+# What a bad entry raises: msgspec's errors are ValueErrors, as int()'s are.
+MALFORMED = (ValueError, TypeError, KeyError)
+
+
+class MalformedSnapshot(ValueError):
+    """A worker's /kv/snapshot is not one: following waits for a good one, with backoff."""
+
+
+def _event(event: _Stored | _Removed | _Cleared) -> KVEvent:
+    if isinstance(event, _Stored):
+        return KVEvent("stored", tuple(event.hashes), event.parent)
+    if isinstance(event, _Removed):
+        return KVEvent("removed", tuple(event.hashes))
+    return KVEvent("cleared")
+
+
+def _event_batch(incarnation: str, seq: int, events: list[_Stored | _Removed | _Cleared]) -> EventBatch:
+    return EventBatch(incarnation, seq, tuple(_event(e) for e in events))
 
 
 @dataclass(slots=True)
@@ -146,16 +242,22 @@ def _apply(state: SyncState, index: RadixIndex, batch: EventBatch) -> None:
     state.last_applied_at = time.time()
 
 
-async def resync(state: SyncState, index: RadixIndex, session: aiohttp.ClientSession) -> None:
+async def resync(
+    state: SyncState, index: RadixIndex, session: aiohttp.ClientSession, rejections: Rejections | None = None
+) -> None:
     """Replace the replica's entries with the worker's snapshot; following resumes after its seq."""
     async with session.get(f"{state.url.rstrip('/')}/kv/snapshot", timeout=SNAPSHOT_TIMEOUT) as response:
         response.raise_for_status()
-        snap = await response.json()
-    # Read every field before touching the index, so a malformed reply leaves it as it was.
-    hashes, incarnation, seq = snap["hashes"], str(snap["incarnation"]), int(snap["seq"])
+        body = await response.read()
+    # Validated whole before touching the index, so a malformed reply leaves it as it was.
+    try:
+        snap = _SNAPSHOT.decode(body)
+    except msgspec.DecodeError as error:
+        (rejections or Rejections()).reject("kv_events", f"{state.replica}'s /kv/snapshot", error)
+        raise MalformedSnapshot(f"{state.replica}'s /kv/snapshot: {error}") from None
     index.clear(state.replica)
-    index.insert(state.replica, hashes)
-    state.incarnation, state.seq = incarnation, seq
+    index.insert(state.replica, snap.hashes)
+    state.incarnation, state.seq = snap.incarnation, snap.seq
     state.resyncs += 1
 
 
@@ -201,20 +303,22 @@ async def follow_http(
     *,
     poll_timeout_s: float = POLL_TIMEOUT_S,
     retry_max_s: float = RETRY_MAX_S,
+    rejections: Rejections | None = None,
 ) -> None:
     """Follow the worker's /kv/events long-poll until cancelled.
 
     A state never synced starts from the snapshot (a gateway that starts late must hold the current
     set); one that was followed before resumes after its seq. A 410 (the worker's ring moved past
-    that seq, or the worker restarted as a new incarnation) resyncs.
+    that seq, or the worker restarted as a new incarnation), or a reply that is not one, resyncs.
     """
     backoff = Backoff(most_s=retry_max_s)
+    rejections = rejections or Rejections()
     while True:
         started = time.monotonic()
         try:
             if not state.synced:
-                await resync(state, index, session)
-            await _poll(state, index, session, poll_timeout_s)
+                await resync(state, index, session, rejections)
+            await _poll(state, index, session, poll_timeout_s, rejections)
         except Exception as error:
             await asyncio.sleep(_failed(state, backoff, error))
             continue
@@ -223,7 +327,11 @@ async def follow_http(
 
 
 async def _poll(
-    state: SyncState, index: RadixIndex, session: aiohttp.ClientSession, timeout_s: float
+    state: SyncState,
+    index: RadixIndex,
+    session: aiohttp.ClientSession,
+    timeout_s: float,
+    rejections: Rejections,
 ) -> None:
     asked = time.time()
     params = {"after": state.seq, "timeout": timeout_s, "incarnation": str(state.incarnation)}
@@ -234,21 +342,28 @@ async def _poll(
         gone = response.status == 410
         if not gone:
             response.raise_for_status()
-            body = orjson.loads(await response.read())
-    if gone:
+            raw = await response.read()
+    body = None
+    if not gone:
+        try:
+            body = _POLL.decode(raw)
+        except msgspec.DecodeError as error:
+            # What it held is unknown, removals included: only a snapshot accounts for it.
+            rejections.reject("kv_events", f"{state.replica}'s /kv/events reply", error)
+            state.errors += 1
+    if body is None:
         state.behind_since = state.behind_since or asked
-        await resync(state, index, session)
+        await resync(state, index, session, rejections)
         state.behind_since = None
         return
-    for raw in body["batches"]:
-        batch = EventBatch.from_json(raw)
+    for batch in body.batches:
         if batch.incarnation != state.incarnation or batch.seq != state.seq + 1:
             log.warning("kv sync: replica %s sent batch %d out of order; resyncing", state.replica, batch.seq)
-            await resync(state, index, session)
+            await resync(state, index, session, rejections)
             return
-        _apply(state, index, batch)
+        _apply(state, index, _event_batch(batch.incarnation, batch.seq, batch.events))
     # A reply cut at the server's limit leaves a backlog, which the next poll takes at once.
-    state.behind_since = None if int(body["seq"]) <= state.seq else (state.behind_since or asked)
+    state.behind_since = None if body.seq <= state.seq else (state.behind_since or asked)
 
 
 # -- Redis transport --------------------------------------------------------------------------------
@@ -285,14 +400,14 @@ async def read_stream(
     ]
 
 
-def _batch(fields: Mapping[str, str]) -> EventBatch:
-    return EventBatch.from_json(
-        {
-            "incarnation": fields["incarnation"],
-            "seq": int(fields["seq"]),
-            "events": orjson.loads(fields["events"]),
-        }
-    )
+def parse_entry(fields: Mapping[str, str]) -> EventBatch:
+    """A KV stream entry's batch; ValueError, TypeError or KeyError when it is not a valid one."""
+    incarnation, seq = fields["incarnation"], int(fields["seq"])
+    if not 0 < seq <= MAX_SEQ:
+        raise ValueError(f"seq {seq} is out of range")
+    if not 0 < len(incarnation) <= MAX_INCARNATION_CHARS:
+        raise ValueError(f"an incarnation of {len(incarnation)} characters")
+    return _event_batch(incarnation, seq, _EVENTS.decode(fields["events"]))
 
 
 async def follow_redis(
@@ -304,6 +419,7 @@ async def follow_redis(
     block_ms: int = BLOCK_MS,
     count: int = READ_COUNT,
     retry_max_s: float = RETRY_MAX_S,
+    rejections: Rejections | None = None,
 ) -> None:
     """Follow the worker's stream in Redis until cancelled; snapshots still come over HTTP.
 
@@ -316,17 +432,25 @@ async def follow_redis(
     key = kv_stream_key(state.replica)
     backoff = Backoff(most_s=retry_max_s)
     retired: deque[str] = deque(maxlen=RETIRED_INCARNATIONS)
+    rejections = rejections or Rejections()
     while True:
         check_cancelled()
         started = time.monotonic()
         try:
             if state.stream_id is None:
                 tail = await stream_tail(redis, key)
-                await resync(state, index, session)
+                await resync(state, index, session, rejections)
                 state.stream_id = tail
             entries = await read_stream(redis, key, state.stream_id, count, block_ms)
             for entry_id, fields in entries:
-                await _consume(state, index, session, retired, entry_id, fields)
+                try:
+                    batch = parse_entry(fields)
+                except MALFORMED as error:
+                    # Skipped: if it was a batch, the next one shows the hole, which resyncs.
+                    rejections.reject("kv_stream", f"{key} entry {entry_id}", error)
+                    state.errors += 1
+                else:
+                    await _consume(state, index, session, retired, entry_id, batch, rejections)
                 state.stream_id = entry_id
         except Exception as error:
             await asyncio.sleep(_failed(state, backoff, error))
@@ -343,17 +467,9 @@ async def _consume(
     session: aiohttp.ClientSession,
     retired: deque[str],
     entry_id: str,
-    fields: Mapping[str, str],
+    batch: EventBatch,
+    rejections: Rejections,
 ) -> None:
-    try:
-        batch = _batch(fields)
-    except (KeyError, ValueError, TypeError) as error:
-        # Skipped: if it was a batch, the next one shows the hole, which resyncs.
-        log.warning(
-            "kv sync: replica %s: malformed stream entry %s skipped (%r)", state.replica, entry_id, error
-        )
-        state.errors += 1
-        return
     if batch.incarnation in retired:
         return
     if batch.incarnation != state.incarnation and batch.seq == 1:
@@ -364,7 +480,7 @@ async def _consume(
         if state.behind_since is None:
             state.behind_since = entry_time(entry_id)
         before = state.incarnation
-        await resync(state, index, session)
+        await resync(state, index, session, rejections)
         for ended in (before, batch.incarnation):
             if ended is not None and ended != state.incarnation and ended not in retired:
                 retired.append(ended)
@@ -392,6 +508,7 @@ class IndexSync:
         poll_timeout_s: float = POLL_TIMEOUT_S,
         block_ms: int = BLOCK_MS,
         retry_max_s: float = RETRY_MAX_S,
+        rejections: Rejections | None = None,
     ) -> None:
         self.index = index
         self.session = session
@@ -399,6 +516,7 @@ class IndexSync:
         self.poll_timeout_s = poll_timeout_s
         self.block_ms = block_ms
         self.retry_max_s = retry_max_s
+        self.rejections = rejections or Rejections()
         self._followers: Followers[SyncState] = Followers()
 
     @property
@@ -426,6 +544,7 @@ class IndexSync:
                 self.session,
                 poll_timeout_s=self.poll_timeout_s,
                 retry_max_s=self.retry_max_s,
+                rejections=self.rejections,
             )
         else:
             follow = follow_redis(
@@ -435,6 +554,7 @@ class IndexSync:
                 self.session,
                 block_ms=self.block_ms,
                 retry_max_s=self.retry_max_s,
+                rejections=self.rejections,
             )
         return self._followers.start(replica_id, state, follow, "kv-sync")
 

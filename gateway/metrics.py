@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
+from gateway.rejections import Rejections
 from protocol.serving import LATENCY_BUCKETS
 
 # Routing decisions take microseconds to a millisecond; inter-token gaps milliseconds to a second.
@@ -130,6 +131,14 @@ class GatewayMetrics:
             ("model", "reason"),
             registry=registry,
         )
+        self.stream_migrations = Counter(
+            "prefixgate_gateway_stream_migrations",
+            "Streams whose replica failed after output had reached the client, by outcome: continued "
+            "(on another replica, as one stream), failed (no replica could continue it: an error event "
+            "ended it) or unsupported (its backend cannot continue an answer: an error event ended it)",
+            ("model", "outcome"),
+            registry=registry,
+        )
         self.pd_requests = Counter(
             "prefixgate_gateway_pd_requests",
             "Attempts sent to a prefill/decode pair: the prefill replica computes the prompt, the decode "
@@ -169,6 +178,14 @@ class GatewayMetrics:
             ("replica",),
             registry=registry,
         )
+        self.rejected_entries = Counter(
+            "prefixgate_gateway_rejected_entries",
+            "Entries read from Redis or a replica's event socket that failed validation and were skipped, by "
+            "source: registry, load, kv_stream, kv_events, predictions, zmq (gateway/rejections.py)",
+            ("source",),
+            registry=registry,
+        )
+        self.rejections = Rejections(lambda source: self.child(self.rejected_entries, source).inc())
 
     def child(self, metric: Metric, *labels: str) -> Metric:
         """`metric.labels(*labels)`, bound once: labels() validates and takes a lock at every call,

@@ -11,7 +11,10 @@ replica serves (files, batches, audio, ...) is proxied too; OpenAPI has no way t
 
 Authentication is optional in the document because it is optional in the configuration: `/v1/*` needs
 an API key when `auth.api_keys_env` is set, `/admin/*` and `/debug/*` the admin token when
-`auth.admin_token_env` is set (without one they answer only on a loopback listener, 403 elsewhere).
+`auth.admin_token_env` is set (without one they answer only on a loopback listener, 403 elsewhere,
+and only to requests whose Host is a loopback name or address with the listener's port). Admin
+requests from another origin are 403 and a mutating one's body that is not JSON is 415, with a token
+or without (gateway.app._authorize says what a tokenless admin API trusts).
 """
 
 from __future__ import annotations
@@ -415,7 +418,11 @@ ROUTE_EXPLANATION: dict[str, Any] = {
 _V1_ERRORS = {"401": _error("no valid API key (when keys are configured)")}
 _ADMIN_ERRORS = {
     "401": _error("no valid admin token (when one is configured)"),
-    "403": _error("admin routes are off: no admin token configured and a non-loopback listener"),
+    "403": _error(
+        "admin routes are off (no admin token configured and a non-loopback listener), a request from "
+        "another origin, or, without a token, a Host that is not this loopback listener"
+    ),
+    "415": _error("a body that is not application/json (on POST and DELETE)"),
 }
 
 

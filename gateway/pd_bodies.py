@@ -1,9 +1,13 @@
 """What a paired attempt adds to the bodies it sends, per protocol (DESIGN §4). Pure: bodies in, bodies out.
 
-Everything else in the client's body passes through untouched: a foreign fleet's replicas judge it.
+Everything else in the client's body passes through untouched: a foreign fleet's replicas judge it. (The
+fields named here are the gateway's alone: what a client sent of them never goes upstream, see
+gateway.internal_fields.)
 
 - prefixgate's own (bundled workers): the decode worker's body names its prefill worker
-  (protocol.disaggregation.PREFILL_FIELD); the decode worker pulls the prompt's KV from it.
+  (protocol.disaggregation.PREFILL_FIELD) in a grant the gateway signs with the fleet's transfer secret
+  (protocol.transfer_auth), for a transfer id of its own making; the decode worker pulls the prompt's KV
+  from it, and acts on no grant it cannot verify.
 - vLLM (its reference proxy, tests/v1/kv_connector/nixl_integration/toy_proxy_server.py): the prefill
   instance first gets the request cut to one token, unstreamed, asking it to keep the KV for a remote
   decode; its answer's `kv_transfer_params` say where that KV is, and the decode instance gets the
@@ -16,12 +20,14 @@ Everything else in the client's body passes through untouched: a foreign fleet's
 from __future__ import annotations
 
 import random
+import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 
 from protocol.disaggregation import PREFILL_FIELD
+from protocol.transfer_auth import grant
 
 # What a vLLM prefill instance is asked for: keep the prompt's KV for a decode instance to pull.
 VLLM_PREFILL_PARAMS: dict[str, Any] = {
@@ -40,9 +46,10 @@ _VLLM_PREFILL_DROPPED = frozenset({"stream_options", "min_tokens", "min_completi
 _ROOMS = 2**63
 
 
-def bundled_fields(prefill_url: str) -> dict[str, Any]:
-    """What a bundled decode worker's body gains: the prefill worker to pull the prompt's KV from."""
-    return {PREFILL_FIELD: {"url": prefill_url}}
+def bundled_fields(prefill_url: str, secret: bytes) -> dict[str, Any]:
+    """What a bundled decode worker's body gains: the prefill worker to pull the prompt's KV from, and a
+    fresh transfer id, signed."""
+    return {PREFILL_FIELD: grant(secret, prefill_url, uuid.uuid4().hex)}
 
 
 def vllm_prefill_body(body: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,12 @@ How a prefill failure ends:
 A foreign prefill replica's refusal (429, 503) is retried elsewhere like a decode replica's; its other
 4xx answers are the client's error (the decode replica would have refused the same body), and answer
 the client as they are.
+
+What pairs two replicas is the gateway's alone: a client's own pairing fields never reach either leg
+(gateway.internal_fields), vLLM's two requests carry an X-Request-Id the gateway made (never the
+client's, which could name another request's transfer), and bundled workers are paired only with the
+fleet's transfer secret (`auth.transfer_secret_env`), which signs each grant: without it they are not
+paired at all, and each decode worker computes its prompts itself.
 """
 
 from __future__ import annotations
@@ -26,17 +32,20 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
+from multidict import CIMultiDict
 
 from gateway.gateway import Gateway
+from gateway.internal_fields import client_body
 from gateway.pd_bodies import bundled_fields, sglang_fields, vllm_prefill_body, vllm_transfer_params
 from gateway.replicas import Replica
 from gateway.request_view import Route
-from gateway.upstream import UpstreamError, UpstreamResponse, error_kind
+from gateway.upstream import UpstreamError, UpstreamResponse, error_kind, header_count
 from protocol.disaggregation import PREFILL_ERROR_HEADER, TRANSFERRED_TOKENS_HEADER
+from protocol.transfer_auth import parse_secret
 
 if TYPE_CHECKING:
     from gateway.proxy import Routed
@@ -50,6 +59,8 @@ PAIRED_ROUTES: frozenset[Route] = frozenset({"chat", "completions"})
 REFUSALS = (429, 503)
 _REQUEST_ID = "X-Request-Id"
 _JSON = {"Content-Type": "application/json"}
+# Why bundled workers go unpaired, each said once in the log (not once a request).
+_SAID: set[str] = set()
 # Bootstrap rooms must not collide between requests, nor between gateways.
 _ROOMS = random.SystemRandom()
 T = TypeVar("T")
@@ -160,7 +171,7 @@ class PrefillLeg:
                 self.prefill.url,
                 self.routed.target,
                 payload,
-                {**{k: v for k, v in headers.items() if k.lower() != "content-type"}, **_JSON},
+                _json_headers(headers),
                 connect_s=limits.connect_timeout_s,
                 read_s=limits.request_timeout_s,
             )
@@ -184,18 +195,22 @@ class PrefillLeg:
 
 
 class BundledLeg(PrefillLeg):
-    """prefixgate's own: the decode worker pulls the prompt's KV from the prefill worker its body names,
-    and computes the prompt itself, saying why, when that fails."""
+    """prefixgate's own: the decode worker pulls the prompt's KV from the prefill worker its body's
+    signed grant names, and computes the prompt itself, saying why, when that fails."""
+
+    def __init__(self, gw: Gateway, routed: Routed, prefill: Replica, decode: Replica, secret: bytes) -> None:
+        super().__init__(gw, routed, prefill, decode)
+        self.secret = secret
 
     async def start(self, headers: dict[str, str]) -> dict[str, Any]:
-        return bundled_fields(self.prefill.url)
+        return bundled_fields(self.prefill.url, self.secret)
 
     def on_head(self, headers: Mapping[str, str]) -> None:
         m = self.gw.metrics
-        transferred = headers.get(TRANSFERRED_TOKENS_HEADER, "")
-        if transferred.isdigit():
+        transferred = header_count(headers.get(TRANSFERRED_TOKENS_HEADER))
+        if transferred is not None:
             m.child(m.pd_transferred_tokens, self.routed.model, self.prefill.id, self.decode.id).inc(
-                int(transferred)
+                transferred
             )
         reason = headers.get(PREFILL_ERROR_HEADER)
         if reason is not None:
@@ -205,15 +220,17 @@ class BundledLeg(PrefillLeg):
 
 class VllmLeg(PrefillLeg):
     """vLLM's: the prefill instance first, cut to one token; its `kv_transfer_params` then go to the
-    decode instance with the client's body. Both requests carry one X-Request-Id (the client's, or
-    one made up), as vLLM's proxy sends them: the connector matches the two sides up by it."""
+    decode instance with the client's body. Both requests carry one X-Request-Id, made up here as
+    vLLM's proxy does: the connector matches the two sides up by it, so a client's own (which could be
+    another request's) is replaced on both."""
 
     async def start(self, headers: dict[str, str]) -> dict[str, Any]:
-        if not any(name.lower() == _REQUEST_ID.lower() for name in headers):
-            self.headers[_REQUEST_ID] = str(uuid.uuid4())
+        self.headers[_REQUEST_ID] = str(uuid.uuid4())
         assert self.routed.body is not None  # only JSON bodies are paired
-        payload = orjson.dumps(vllm_prefill_body(self.routed.body))
-        upstream = await self._request(payload, {**headers, **self.headers})
+        payload = orjson.dumps(vllm_prefill_body(client_body(self.routed.body)))
+        prefill_headers = type(headers)(headers)
+        _own_request_id(prefill_headers, self.headers[_REQUEST_ID])
+        upstream = await self._request(payload, prefill_headers)
         try:
             answer = await self._read(upstream)
         finally:
@@ -225,6 +242,10 @@ class VllmLeg(PrefillLeg):
         self._done(learn=True)  # its one token came after the prompt: how long that took
         return {"kv_transfer_params": params}
 
+    def sending(self, payload: bytes, headers: dict[str, str]) -> None:
+        """The decode request's headers lose the client's X-Request-Id, however it spelled the name."""
+        _own_request_id(headers, self.headers[_REQUEST_ID])
+
 
 class SglangLeg(PrefillLeg):
     """SGLang's: the prefill server gets the decode server's request, bootstrap fields included, at the
@@ -234,7 +255,8 @@ class SglangLeg(PrefillLeg):
 
     async def start(self, headers: dict[str, str]) -> dict[str, Any]:
         assert self.routed.body is not None and self.prefill.bootstrap_port is not None
-        return sglang_fields(self.routed.body, self.prefill.url, self.prefill.bootstrap_port, _ROOMS)
+        body = client_body(self.routed.body)
+        return sglang_fields(body, self.prefill.url, self.prefill.bootstrap_port, _ROOMS)
 
     def sending(self, payload: bytes, headers: dict[str, str]) -> None:
         self._task = asyncio.ensure_future(self._prefill(payload, headers))
@@ -284,13 +306,54 @@ def _drop(waiting: asyncio.Future[Any]) -> None:
     waiting.add_done_callback(close)
 
 
-_LEGS: dict[str | None, type[PrefillLeg]] = {None: BundledLeg, "vllm": VllmLeg, "sglang": SglangLeg}
+def _json_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
+    """A prefill request's headers: the decode request's, each repeat kept (Cookie), sent as JSON."""
+    sent = CIMultiDict((k, v) for k, v in headers.items() if k.lower() != "content-type")
+    sent.update(_JSON)
+    return sent
+
+
+def _own_request_id(headers: MutableMapping[str, str], request_id: str) -> None:
+    """Every X-Request-Id in `headers` (a dict, or a multidict with repeats) replaced by the pair's."""
+    for name in {name for name in headers if name.lower() == _REQUEST_ID.lower()}:
+        while name in headers:
+            headers.pop(name)
+    headers[_REQUEST_ID] = request_id
+
+
+_LEGS: dict[str, type[PrefillLeg]] = {"vllm": VllmLeg, "sglang": SglangLeg}
 
 
 def prefill_leg(gw: Gateway, routed: Routed, decode: Replica) -> PrefillLeg | None:
     """The prefill side of an attempt on `decode`; None when the decision paired it with none (or
-    the prefill replica has left since)."""
+    the prefill replica has left since), or it is a bundled pair and the gateway has no secret to
+    sign its grant with."""
     prefill = gw.replicas.get(routed.decision.prefill.get(decode.id, ""))
     if prefill is None or routed.body is None or routed.route not in PAIRED_ROUTES:
         return None
-    return _LEGS[prefill.pd_protocol](gw, routed, prefill, decode)
+    if prefill.pd_protocol is not None:
+        return _LEGS[prefill.pd_protocol](gw, routed, prefill, decode)
+    secret = _secret(gw)
+    return BundledLeg(gw, routed, prefill, decode, secret) if secret is not None else None
+
+
+def _secret(gw: Gateway) -> bytes | None:
+    """The fleet's transfer secret; None (said once in the log) when it is unset or too short."""
+    env = gw.config.auth.transfer_secret_env
+    try:
+        secret = parse_secret(gw.config.transfer_secret())
+    except ValueError as error:
+        _say_once(f"the transfer secret in ${env} is unusable ({error}): bundled workers are not paired")
+        return None
+    if secret is None:
+        _say_once(
+            f"no transfer secret (auth.transfer_secret_env: {env} is unset): bundled prefill and decode "
+            "workers are not paired, each decode worker computes its prompts itself"
+        )
+    return secret
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        log.warning("%s", message)

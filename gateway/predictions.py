@@ -21,6 +21,11 @@ Predictions correct themselves (`learn`): what a replica reports it reused of a 
 and corrects the replica's capacity bound in the index (RadixIndex.correct), so the configured
 capacity is only a prior. A capacity learned here is published on the same stream, and the other
 gateways take it.
+
+What the stream holds is another process's word: each entry is validated (hashes unsigned 64-bit and
+bounded in number, an expiry that is a finite time no further off than CLOCK_SKEW_S past this
+gateway's own TTL, a positive bounded capacity) and one that fails is skipped and counted
+(gateway.rejections); the cursor moves past it whatever it held.
 """
 
 from __future__ import annotations
@@ -28,14 +33,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
+import msgspec
 from redis.asyncio import Redis
 
-from gateway.kv_sync import BLOCK_MS, READ_COUNT, RETRY_MAX_S, Backoff, read_stream
+from gateway.kv_sync import (
+    BLOCK_MS,
+    MALFORMED,
+    READ_COUNT,
+    RETRY_MAX_S,
+    Backoff,
+    BlockHash,
+    checked_hashes,
+    read_stream,
+)
+from gateway.rejections import Rejections
 from protocol.cancellation import check_cancelled
 from protocol.redis_keys import PREDICTIONS
 from radix.index import Predicted, RadixIndex
@@ -48,6 +66,14 @@ QUEUE_SIZE = 10_000
 # Entries per XADD pipeline.
 PUBLISH_BATCH = 256
 SWEEP_S = 1.0
+# An entry's hashes, at most: a request's prompt of a million tokens in 16-token blocks.
+MAX_PREDICTED_HASHES = 1 << 16
+MAX_CAPACITY_BLOCKS = 1 << 32
+# Another gateway's clock may run ahead of this one's by this much: an expiry further off than that
+# past this gateway's TTL is held to it.
+CLOCK_SKEW_S = 60.0
+
+_HASHES = msgspec.json.Decoder(Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_PREDICTED_HASHES)])
 
 Clock = Callable[[], float]
 
@@ -88,6 +114,7 @@ class Predictions:
         block_ms: int = BLOCK_MS,
         sweep_s: float = SWEEP_S,
         retry_max_s: float = RETRY_MAX_S,
+        rejections: Rejections | None = None,
     ) -> None:
         if ttl_s <= 0 or sweep_s <= 0 or stream_maxlen < 1:
             raise ValueError(
@@ -105,6 +132,7 @@ class Predictions:
         self.sweep_s = sweep_s
         self.retry_max_s = retry_max_s
         self.stats = PredictionStats()
+        self.rejections = rejections or Rejections()
         # (expiry, stream entry): predictions, and learned capacities.
         self._queue: asyncio.Queue[tuple[float, dict[str, str]]] = asyncio.Queue(QUEUE_SIZE)
         self._tasks: list[asyncio.Task[None]] = []
@@ -219,12 +247,18 @@ class Predictions:
             capacity = int(fields["capacity"]) if "capacity" in fields else None
             if capacity is None:
                 expires_at = float(fields["expires_at"])
-                hashes = [int(h) for h in json.loads(fields["hashes"])]
-            elif capacity <= 0:
-                raise ValueError(f"capacity {capacity} is not positive")
-        except (KeyError, ValueError, TypeError) as error:
+                if not math.isfinite(expires_at):
+                    raise ValueError(f"expires_at {expires_at} is no time")
+                # Held to what this gateway would predict itself, so none outlives the TTL for long.
+                expires_at = min(expires_at, now + self.ttl_s + CLOCK_SKEW_S)
+                hashes = _HASHES.decode(fields["hashes"])
+                checked_hashes(hashes)
+            elif not 0 < capacity <= MAX_CAPACITY_BLOCKS:
+                raise ValueError(f"capacity {capacity} is not in 1..{MAX_CAPACITY_BLOCKS}")
+        except MALFORMED as error:
             self.stats.errors += 1
             self.stats.last_error = f"malformed entry {entry_id}: {error!r}"
+            self.rejections.reject("predictions", f"{self.stream} entry {entry_id}", error)
             return
         if gateway == self.gateway_id:
             self.stats.own += 1

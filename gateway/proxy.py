@@ -4,19 +4,23 @@ What a client sent goes upstream as it came: the body byte for byte (a bundled w
 completion body gains only the token ids the gateway computed), the client's end-to-end headers with
 it. The answer comes back the same way, status, headers and body, with the gateway's routing headers
 added. A server-sent-event stream passes through chunk by chunk as the replica sends it, unparsed:
-the gateway only times the chunks. Cached tokens come from the bundled worker's response header, or
+the gateway only times the chunks, and leaves out the token ids a bundled worker names for it alone
+(protocol.stream_ids). Cached tokens come from the bundled worker's response header, or
 for a foreign backend from the usage object at the end of its response. A Responses API answer also
 names its response id, which is remembered with its replica (gateway.response_owners).
 
 A replica that cannot be reached, refuses for overload (429, 503), or fails before any output, is
 replaced by the next in the policy's order: a stream's first events that carry no output (vLLM sends
 its headers and an opening role delta as soon as a request is queued) are held back until one does,
-so a replica that dies with requests queued costs their clients nothing (gateway.sse_events). Once
-output flows, the request is that replica's. When every choice fails, the client gets a replica's
-refusal if there was one (429 or 503, with its Retry-After: the fleet is full, not broken), else 504
-if the last attempt timed out (`limits.request_timeout_s`), else 502. A client that goes away cancels
-this handler (aiohttp handler cancellation), which closes the upstream connection, which makes a
-bundled worker abort the sequence and free its blocks.
+so a replica that dies with requests queued costs their clients nothing (gateway.sse_events). One
+that fails once output flows has its stream continued on another replica, the client seeing one
+stream, where the backend can continue an answer (gateway.migration says which can); where none can,
+the stream ends with an error event. A non-streaming answer that breaks off reached the client not at
+all, so it is retried whole like any failure before output. When every choice fails, the client gets
+a replica's refusal if there was one (429 or 503, with its Retry-After: the fleet is full, not
+broken), else 504 if the last attempt timed out (`limits.request_timeout_s`), else 502. A client that
+goes away cancels this handler (aiohttp handler cancellation), which closes the upstream connection,
+which makes a bundled worker abort the sequence and free its blocks.
 
 For a replica whose cache is predicted, what it reports reusing corrects the prediction
 (Predictions.learn). A stream to a foreign one asks for its usage when the client did not
@@ -33,21 +37,25 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict, MultiMapping
 
 from gateway.gateway import Gateway
+from gateway.internal_fields import client_body
+from gateway.migration import Continuation, Sent, StreamTap, continuation_body, sent_tokens
 from gateway.pd_legs import REFUSALS, PrefillFailed, PrefillLeg, prefill_leg
 from gateway.replicas import Replica
 from gateway.request_view import PREFIX_ROUTES, Route
 from gateway.router import Decision
-from gateway.sse_events import ResponseIdScan, UsageStrip, carries_output, usage_numbers
-from gateway.upstream import UpstreamError, UpstreamResponse, error_kind
+from gateway.sse_events import OutputWatch, ResponseIdScan, UsageStrip, usage_numbers
+from gateway.upstream import UpstreamError, UpstreamResponse, error_kind, header_count
 from protocol.errors import CLIENT_GONE, ApiError
 from protocol.openai_responses import CACHED_TOKENS_HEADER, SSE_DONE, sse
+from protocol.stream_ids import STREAM_IDS_HEADER
 from radix.index import Predicted
 from radix.reports import realised_blocks
 
@@ -62,15 +70,38 @@ _MAX_COUNT = 2**53
 # Set on a request once its outcome is counted, so that the cancellation of a client that left is not
 # counted again, unlabelled, by the middleware.
 ACCOUNTED = web.RequestKey("accounted", bool)
-# Response headers of the replica that describe its connection, not the content.
-_HOP_BY_HOP = {
-    "connection",
-    "keep-alive",
-    "transfer-encoding",
-    "content-length",
-    "date",
-    "server",
-}
+# Headers that describe one connection, not the content (RFC 9110 §7.6.1), in either direction; with
+# those a message's Connection header names (connection_named).
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# A replica's answer headers that are not relayed: its connection's, and those the gateway's own server
+# writes.
+_NOT_RELAYED = HOP_BY_HOP | {"content-length", "date", "server"}
+
+
+def connection_named(headers: Mapping[str, str]) -> frozenset[str]:
+    """The headers a message's Connection headers name (lower case): hop-by-hop too, never forwarded,
+    whichever direction the message goes."""
+    values = (
+        headers.getall("Connection", ())
+        if isinstance(headers, MultiMapping)
+        else [headers.get("Connection", "")]
+    )
+    names = (token.strip().lower() for value in values for token in value.split(","))
+    return frozenset(name for name in names if name)
+
+
 # Routes whose bodies a bundled worker reads with the gateway's token ids attached, and whose streams
 # a foreign one is asked to end with their usage.
 _ID_ROUTES = frozenset({"chat", "completions"})
@@ -89,8 +120,9 @@ class Routed:
     raw: bytes
     # The body as JSON (None when it is not a JSON object: a file upload, an empty GET).
     body: dict[str, Any] | None
-    # The client's end-to-end headers (gateway.app.forwarded_headers), Authorization not among them.
-    headers: dict[str, str]
+    # The client's end-to-end headers (gateway.app.forwarded_headers), Authorization not among them;
+    # a multidict, as a header may come more than once (Cookie).
+    headers: CIMultiDict[str]
     tokens: list[int] | None
     # Whether the gateway tokenized the prompt itself (the ids are then worth attaching).
     tokenized: bool
@@ -147,10 +179,14 @@ def _payload(
     Bundled workers get the ids the gateway tokenized (no second tokenization); a paired decode
     replica gets the prefill side's `fields`; an unpaired stream to a foreign replica whose cache is
     predicted asks for usage (a paired one's is not learned from: see _learn); everything else goes
-    as the client sent it."""
-    body = routed.body
-    if body is None or routed.route not in _ID_ROUTES:
+    as the client sent it. On every route, the gateway's own fields are not the client's to send
+    (gateway.internal_fields): a `prefixgate_*` one is refused, a vLLM or SGLang pairing one dropped."""
+    if routed.body is None:
         return routed.raw, False
+    body = client_body(routed.body)
+    cleaned = body is not routed.body
+    if routed.route not in _ID_ROUTES:
+        return (orjson.dumps(body) if cleaned else routed.raw), False
     added = dict(fields or {})
     strip_usage = False
     if replica.kind == "bundled":
@@ -160,7 +196,7 @@ def _payload(
         options = body.get("stream_options")
         added["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
         strip_usage = True
-    return (orjson.dumps({**body, **added}) if added else routed.raw), strip_usage
+    return (orjson.dumps({**body, **added}) if added or cleaned else routed.raw), strip_usage
 
 
 def _asks_usage(gw: Gateway, replica: Replica, body: dict[str, Any]) -> bool:
@@ -171,24 +207,30 @@ def _asks_usage(gw: Gateway, replica: Replica, body: dict[str, Any]) -> bool:
     return streams and not wants_usage and not gw.precise(replica) and gw.config.approximate.request_usage
 
 
-def _upstream_headers(gw: Gateway, routed: Routed, payload: bytes) -> dict[str, str]:
-    headers = routed.headers
+def _upstream_headers(
+    gw: Gateway, routed: Routed, payload: bytes, extra: Mapping[str, str] | None = None
+) -> CIMultiDict[str]:
+    """The headers of `payload` to a replica: the client's, repeats kept, with `extra` (a prefill
+    leg's) and the upstream Authorization replacing any of the same name."""
+    headers = routed.headers.copy()
     if payload is not routed.raw:  # re-encoded: JSON, whatever the client called it
-        headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
         headers["Content-Type"] = "application/json"
+    headers.update(extra or {})
     key = gw.config.upstream_key()
     if key is not None:
-        headers = {**headers, "Authorization": f"Bearer {key}"}
+        headers["Authorization"] = f"Bearer {key}"
     elif gw.config.auth.forward_client_key and routed.authorization:
-        headers = {**headers, "Authorization": routed.authorization}
+        headers["Authorization"] = routed.authorization
     return headers
 
 
-def _response_headers(upstream: Mapping[str, str], attempt: _Attempt, routed: Routed) -> dict[str, str]:
-    """The replica's answer headers, less its connection's, plus the gateway's routing headers."""
+def _response_headers(upstream: Mapping[str, str], attempt: _Attempt, routed: Routed) -> CIMultiDict[str]:
+    """The replica's answer headers, repeats kept (Set-Cookie), less its connection's, plus the
+    gateway's routing headers (which replace any the replica sent of those names)."""
     replica = attempt.replica
     view = routed.decision.view_of(replica.id)
-    headers = {k: v for k, v in upstream.items() if k.lower() not in _HOP_BY_HOP}
+    dropped = _NOT_RELAYED | connection_named(upstream)
+    headers = CIMultiDict((k, v) for k, v in upstream.items() if k.lower() not in dropped)
     headers[REPLICA_HEADER] = replica.id
     headers[MATCHED_BLOCKS_HEADER] = str(view.matched_blocks)
     headers[PREDICTED_CACHED_HEADER] = str(min(view.cached_tokens, routed.decision.prompt_tokens))
@@ -203,10 +245,8 @@ def _usage(headers: Mapping[str, str], tail: bytes, replica: Replica) -> tuple[i
     answer, which counts both in the replica's own unit; without one, a bundled worker's header, whose
     count is of the gateway's ids (a worker declared foreign tokenizes the text itself, in its own)."""
     prompt, cached = (n if n is not None and n <= _MAX_COUNT else None for n in usage_numbers(tail))
-    value = headers.get(CACHED_TOKENS_HEADER)
-    if cached is None and replica.kind == "bundled" and value is not None:
-        count = int(value) if value.isascii() and value.isdigit() and len(value) < 16 else None
-        return None, count
+    if cached is None and replica.kind == "bundled" and CACHED_TOKENS_HEADER in headers:
+        return None, header_count(headers[CACHED_TOKENS_HEADER])
     return prompt, cached
 
 
@@ -272,7 +312,9 @@ async def _attempt(
     try:
         fields = await leg.start(_upstream_headers(gw, routed, routed.raw)) if leg is not None else {}
         payload, strip_usage = _payload(gw, routed, replica, fields)
-        headers = _upstream_headers(gw, routed, payload) | (leg.headers if leg is not None else {})
+        headers = _upstream_headers(gw, routed, payload, leg.headers if leg is not None else None)
+        if _reads_ids(routed, replica):
+            headers[STREAM_IDS_HEADER] = "1"
         if leg is not None:
             leg.sending(payload, headers)
         sent = gw.upstream.request(
@@ -353,11 +395,13 @@ def _unavailable(gw: Gateway, model: str) -> str:
 
 async def _until_output(upstream: UpstreamResponse) -> bytes:
     """A stream's first chunks, up to the first whole event that carries output (or the stream's end):
-    what may be held back from the client while the replica can still be replaced."""
-    held = await upstream.read_chunk()
-    while not upstream.at_end and not carries_output(held):
-        held += await upstream.read_chunk()
-    return held
+    what may be held back from the client while the replica can still be replaced (a bounded
+    amount: gateway.sse_events.OutputWatch)."""
+    watch = OutputWatch()
+    held = [await upstream.read_chunk()]
+    while not watch.feed(held[-1]) and not upstream.at_end:
+        held.append(await upstream.read_chunk())
+    return b"".join(held)
 
 
 def _retrying(gw: Gateway, routed: Routed, reason: str, final: bool) -> None:
@@ -452,6 +496,59 @@ async def _relay_body(
     return web.Response(body=body, status=status, headers=_response_headers(headers, attempt, routed))
 
 
+@dataclass(slots=True)
+class _Relay:
+    """One client stream as it is relayed, from one replica or, continued (gateway.migration), from
+    several: the filters each chunk passes, the tail of what came (for usage and [DONE]), and the
+    attempt answering now."""
+
+    gw: Gateway
+    routed: Routed
+    response: web.StreamResponse
+    attempt: _Attempt
+    strip: UsageStrip | None
+    # What the client has received, for a continuation (and a bundled worker's token ids left out).
+    tap: StreamTap | None
+    # How a replica of the answering kind can continue this stream (None: none can).
+    how: Continuation | None
+    # A Responses stream names its response in its first event: remembered with its replica, and
+    # known everywhere before the client has the whole answer.
+    scan: ResponseIdScan | None
+    tail: bytes = b""
+    continued: bool = False
+    remembered: list[asyncio.Future[None]] = field(default_factory=list)
+
+    def watch(self, data: bytes) -> bytes:
+        self.tail = (self.tail + data)[-_TAIL_BYTES:]
+        if self.tap is not None:
+            data = self.tap.feed(data)
+        found = self.scan.feed(data) if self.scan is not None else None
+        if found is not None:
+            remember = self.gw.response_owners.remember(found, self.attempt.replica.id)
+            self.remembered.append(asyncio.ensure_future(remember))
+        return self.strip.feed(data) if self.strip is not None else data
+
+    async def pump(self, upstream: UpstreamResponse, chunk: bytes) -> bytes:
+        """Relay `upstream` to its end from `chunk` (watched already). Chunks go out as they came, the
+        last returned unsent, to go with the end of the stream in the same write (and the headers too,
+        for an answer whole in its first chunk): one send, one client wake-up."""
+        itl = self.gw.metrics.child(self.gw.metrics.itl, self.routed.model)
+        last = time.monotonic()
+        while not upstream.at_end:
+            if chunk:
+                await self.response.write(chunk)
+            chunk = await upstream.read_chunk()
+            if chunk:
+                now = time.monotonic()
+                itl.observe(now - last)
+                last = now
+                chunk = self.watch(chunk)
+        rest = self.tap.flush() if self.tap is not None else b""
+        if self.strip is not None:
+            rest = self.strip.feed(rest) + self.strip.flush()
+        return chunk + rest
+
+
 async def _relay_stream(
     gw: Gateway,
     request: web.Request,
@@ -462,53 +559,26 @@ async def _relay_stream(
     strip_usage: bool,
 ) -> web.StreamResponse:
     """Relay from the first output on. If the replica fails once output has reached the client, the
-    stream ends the way OpenAI streams report errors: an error event, then [DONE]."""
+    stream goes on from another replica where one can continue it (gateway.migration), the client
+    seeing one stream; where none can, it ends the way OpenAI streams report errors: an error event,
+    then [DONE]."""
     replica = attempt.replica
     _first_token(gw, routed, attempt)
     response = web.StreamResponse(status=200, headers=_response_headers(upstream.headers, attempt, routed))
-    tail = first[-_TAIL_BYTES:]
-    status = 200
-    # A Responses stream names its response in its first event: remembered with its replica, and known
-    # everywhere before the client has the whole answer.
+    how = _continuation(gw, routed, replica)
+    tap = None
+    if how is not None or _reads_ids(routed, replica):
+        tap = StreamTap(Sent(chat=routed.route == "chat"), read_text=replica.kind != "bundled")
     scan = ResponseIdScan() if routed.route == "responses" else None
-    remembered: list[asyncio.Future[None]] = []
-    strip = UsageStrip() if strip_usage else None
-
-    def watch(data: bytes) -> bytes:
-        found = scan.feed(data) if scan is not None else None
-        if found is not None:
-            remembered.append(asyncio.ensure_future(gw.response_owners.remember(found, replica.id)))
-        return strip.feed(data) if strip is not None else data
-
+    relay = _Relay(gw, routed, response, attempt, UsageStrip() if strip_usage else None, tap, how, scan)
+    status = 200
     try:
         await response.prepare(request)
-        itl = gw.metrics.child(gw.metrics.itl, routed.model)
-        chunk, last = watch(first), time.monotonic()
         try:
-            # Chunks go out as they came, the last with the end of the stream in the same write (and
-            # the headers too, for an answer whole in its first chunk): one send, one client wake-up.
-            while not upstream.at_end:
-                if chunk:
-                    await response.write(chunk)
-                chunk = await upstream.read_chunk()
-                if chunk:
-                    now = time.monotonic()
-                    itl.observe(now - last)
-                    last = now
-                    tail = (tail + chunk)[-_TAIL_BYTES:]
-                    chunk = watch(chunk)
-            if strip is not None:
-                chunk += strip.flush()
+            chunk = await relay.pump(upstream, relay.watch(first))
         except (TimeoutError, UpstreamError) as error:
-            gw.mark_failure(replica)
-            gw.metrics.upstream_errors.labels(replica.id, error_kind(error)).inc()
-            if isinstance(error, TimeoutError):  # silent for limits.request_timeout_s: stuck, or far too slow
-                silent = gw.config.limits.request_timeout_s
-                message, code, status = f"sent nothing for {silent:g} s mid-stream", "upstream_timeout", 504
-            else:
-                message, code, status = f"failed mid-stream: {error!r}", "upstream_failed", 502
-            chunk = sse(ApiError(status, f"replica {replica.id} {message}", code=code).to_json()) + SSE_DONE
-        for pending in remembered:
+            chunk, status = await _carry_on(gw, routed, relay, error, strip_usage)
+        for pending in relay.remembered:
             await pending
         await response.write_eof(chunk)
     except (asyncio.CancelledError, ConnectionResetError) as error:
@@ -516,15 +586,154 @@ async def _relay_stream(
         # connection closing (aiohttp's ClientConnectionResetError, which is no failure of the replica).
         # One that had [DONE] had its whole answer: the openai client closes on [DONE], often before
         # the replica's end of stream.
-        if status == 200 and not tail.endswith(SSE_DONE):
+        if status == 200 and not relay.tail.endswith(SSE_DONE):
             status = CLIENT_GONE
-        _account(gw, routed, attempt, status, _usage(upstream.headers, tail, attempt.replica))
+        _account(gw, routed, relay.attempt, status, _relayed_usage(relay, upstream))
         request[ACCOUNTED] = True
         if isinstance(error, asyncio.CancelledError):
             raise
         return response
-    _account(gw, routed, attempt, status, _usage(upstream.headers, tail, attempt.replica))
+    _account(gw, routed, relay.attempt, status, _relayed_usage(relay, upstream))
     return response
+
+
+def _reads_ids(routed: Routed, replica: Replica) -> bool:
+    """Whether a bundled worker is asked to name its tokens' ids in its stream (protocol.stream_ids)."""
+    body = routed.body
+    return (
+        replica.kind == "bundled"
+        and routed.route in _ID_ROUTES
+        and body is not None
+        and body.get("stream") is True
+    )
+
+
+def _continuation(gw: Gateway, routed: Routed, replica: Replica) -> Continuation | None:
+    """How a stream from `replica` can be continued elsewhere (gateway.migration), or None."""
+    body = routed.body
+    if body is None or routed.route not in _ID_ROUTES or body.get("n") not in (None, 1):
+        return None
+    if replica.kind == "bundled":
+        return "bundled" if routed.tokens is not None else None
+    entry = gw.config.models.get(routed.model)
+    how = entry.foreign_continuation if entry is not None else "none"
+    return None if how == "none" else how
+
+
+def _relayed_usage(relay: _Relay, upstream: UpstreamResponse) -> tuple[int | None, int | None]:
+    """What the answering replica reported; nothing for a continued stream, whose replicas reported
+    on prompts other than the one routed (and learned from)."""
+    if relay.continued:
+        return None, None
+    return _usage(upstream.headers, relay.tail, relay.attempt.replica)
+
+
+async def _carry_on(
+    gw: Gateway, routed: Routed, relay: _Relay, error: TimeoutError | UpstreamError, ask_usage: bool
+) -> tuple[bytes, int]:
+    """After the answering replica failed mid-stream: the rest of the stream from another replica
+    (the next in the routing order, then any of the model's; up to limits.max_attempts tries, each
+    that fails replaced in turn), and the status to count; or the error event that ends the stream."""
+    failed = relay.attempt.replica
+    _failed_mid_stream(gw, failed, error)
+    sent = relay.tap.sent if relay.tap is not None else None
+    if sent is not None and sent.finished:
+        return SSE_DONE, 200  # every token and the finish had reached the client
+    m = gw.metrics
+    tried = {failed.id}
+    outcome = "unsupported"
+    for _ in range(gw.config.limits.max_attempts):
+        if relay.how is None or sent is None or routed.body is None:
+            break
+        body = continuation_body(
+            client_body(routed.body), sent, relay.how, prompt_ids=routed.tokens, ask_usage=ask_usage
+        )
+        if body is None:
+            break
+        outcome = "failed"
+        replica = _successor(gw, routed, tried, failed.kind)
+        if replica is None:
+            break
+        tried.add(replica.id)
+        try:
+            return await _continue_on(gw, routed, relay, replica, body), 200
+        except (TimeoutError, UpstreamError) as again:
+            _failed_mid_stream(gw, replica, again)
+            failed, error = replica, again
+        if sent.finished:
+            return SSE_DONE, 200
+    m.child(m.stream_migrations, routed.model, outcome).inc()
+    return _stream_error(gw, failed, error)
+
+
+async def _continue_on(
+    gw: Gateway, routed: Routed, relay: _Relay, replica: Replica, body: dict[str, Any]
+) -> bytes:
+    """The stream carried on by `replica` from what the client has; its last chunk, unsent."""
+    limits = gw.config.limits
+    assert relay.tap is not None and relay.how is not None
+    payload = orjson.dumps(body)
+    headers = _upstream_headers(gw, routed, payload)
+    if relay.how == "bundled":
+        headers[STREAM_IDS_HEADER] = "1"
+    handle = gw.replicas.dispatched(replica, time.monotonic(), 0)
+    upstream: UpstreamResponse | None = None
+    try:
+        upstream = await gw.upstream.request(
+            routed.method,
+            replica.url,
+            routed.target,
+            payload,
+            headers,
+            connect_s=limits.connect_timeout_s,
+            read_s=limits.request_timeout_s,
+        )
+        if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith(_SSE):
+            raise UpstreamError(f"http_{upstream.status}", f"answered {upstream.status} to the continuation")
+        sent = relay.tap.sent
+        tap = StreamTap(sent, read_text=True, shift=sent_tokens(sent, relay.how))
+        first = await _until_output(upstream)
+        relay.tap, relay.attempt, relay.continued = tap, _Attempt(replica, handle, None), True
+        learn = gw.config.learning
+        # Started, for the load it adds; its time to first token says nothing of its prefill rate.
+        gw.replicas.started(replica, handle, 0.0, alpha=learn.ewma_alpha, min_tokens=learn.min_prefill_tokens)
+        gw.metrics.child(gw.metrics.stream_migrations, routed.model, "continued").inc()
+        return await relay.pump(upstream, relay.watch(first))
+    finally:
+        if upstream is not None:
+            upstream.release()
+        gw.replicas.finished(replica, handle)
+
+
+def _successor(gw: Gateway, routed: Routed, tried: set[str], kind: str) -> Replica | None:
+    """Where to continue a stream: the next replica in the routing order, else any other of the
+    model's, of the kind that answered (the same token ids, the same way to continue), routable,
+    not tried yet, and answering clients itself (no prefill replica, no foreign decode one)."""
+    ordered = [gw.replicas.get(rid) for rid in routed.decision.order]
+    for replica in [*ordered, *gw.replicas.serving(routed.model)]:
+        if replica is None or replica.id in tried or not replica.routable or replica.kind != kind:
+            continue
+        if replica.role == "prefill" or (kind == "openai" and replica.role != "mixed"):
+            continue
+        return replica
+    return None
+
+
+def _failed_mid_stream(gw: Gateway, replica: Replica, error: TimeoutError | UpstreamError) -> None:
+    kind = error_kind(error)
+    if not kind.startswith("http_"):  # a refusal is an answer: the replica is up
+        gw.mark_failure(replica)
+    gw.metrics.upstream_errors.labels(replica.id, kind).inc()
+
+
+def _stream_error(gw: Gateway, replica: Replica, error: TimeoutError | UpstreamError) -> tuple[bytes, int]:
+    """The error event (then [DONE]) that ends a stream no replica could finish, and its status."""
+    if isinstance(error, TimeoutError):  # silent for limits.request_timeout_s: stuck, or far too slow
+        silent = gw.config.limits.request_timeout_s
+        message, code, status = f"sent nothing for {silent:g} s mid-stream", "upstream_timeout", 504
+    else:
+        message, code, status = f"failed mid-stream: {error!r}", "upstream_failed", 502
+    return sse(ApiError(status, f"replica {replica.id} {message}", code=code).to_json()) + SSE_DONE, status
 
 
 def _response_id(body: bytes) -> str | None:

@@ -37,6 +37,7 @@ class Decision:
     views: list[ReplicaView]
     # The prompt's block hashes per block size (what a prediction records for the chosen replica).
     hashes: dict[int, list[int]]
+    # The tokens routed on: a prompt longer than limits.max_routed_tokens counts as its head.
     prompt_tokens: int
     seconds: float
     # The policy that decided: the configured one, or "pd" for a model served in pairs.

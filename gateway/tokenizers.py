@@ -5,8 +5,17 @@ Ready means ready: the gateway loads (and warms, with one prompt through the cha
 encoder) the tokenizer of every model it knows at start-up before it listens, so its first request
 costs what its second does. A model that appears later (a replica registering through Redis) has its
 tokenizer loaded in the background; until then its requests are routed by load alone, never held up
-and never refused. Tokenizing runs on one thread: long prompts never block the event loop, and HF
-tokenizers are not meant to encode from several threads at once.
+and never refused.
+
+What one prompt may cost is bounded (`limits`): its first max_tokenized_chars characters are
+tokenized, its first max_routed_tokens ids routed on (a client's ids too); a prompt's head still names
+its prefix. Ids the gateway did not get from the whole prompt are never attached to what a bundled
+worker gets (`Prompt.tokenized`): that worker tokenizes the prompt itself.
+
+Tokenizing runs off the event loop, and without the GIL (protocol.tokenizer), on two threads: one
+for short prompts and one for long ones, so a long prompt waits only behind other long ones, and a
+burst of them never delays a short one nor takes more than one core. Past LONG_QUEUE long prompts
+waiting, another is routed by load instead of waiting too.
 
 A model configured with `tokenizer: none` routes without prefix information unless the client sends
 token ids: its replicas still get the request, the prompt just matches nothing.
@@ -17,17 +26,38 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
+import orjson
+
+from gateway.config import Limits
 from gateway.request_view import RequestView, prompt_ids
 from protocol.models import load_tokenizer_spec
-from protocol.tokenizer import Tokenizer
+from protocol.tokenizer import HeadTokenizer, Tokenizer
 
 log = logging.getLogger("prefixgate.gateway.tokenizers")
+
+# Prompts of more characters than this (their text, or their messages and tools as JSON) are long:
+# about 30 ms of tokenizing.
+SHORT_PROMPT_CHARS = 32_768
+# Long prompts waiting or being tokenized at most (about max_tokenized_chars each: a few seconds in all).
+LONG_QUEUE = 8
 
 # A conversation through the template and the encoder once, so that the first request finds both warm.
 _WARM_UP = RequestView(
     "chat", messages=[{"role": "system", "content": "warm-up"}, {"role": "user", "content": "Hello!"}]
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt as routing takes it."""
+
+    # The ids routed on: the prompt's first limits.max_routed_tokens ids at most.
+    ids: list[int]
+    # Whether the gateway tokenized the whole prompt itself and `ids` are all of it: only then are
+    # they attached to what a bundled worker gets (a client's own ids go as the client sent them).
+    tokenized: bool
 
 
 class Tokenizers:
@@ -38,7 +68,10 @@ class Tokenizers:
         self._loaded: dict[str, Tokenizer | None] = {}
         self._loading: dict[str, Future[None]] = {}
         self.errors: dict[str, str] = {}
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        # Loading runs on the long prompts' thread: it is as slow as one.
+        self._short = ThreadPoolExecutor(1, thread_name_prefix="tokenize-short")
+        self._long = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")
+        self._long_queued = 0
 
     def spec_of(self, model: str) -> str:
         return self._specs.get(model, self._default)
@@ -59,10 +92,10 @@ class Tokenizers:
     def ensure(self, model: str) -> None:
         """Start loading `model`'s tokenizer in the background unless it is loaded or loading."""
         if model not in self._loading:
-            self._loading[model] = self.pool.submit(self._load, model)
+            self._loading[model] = self._long.submit(self._load, model)
 
     def _load(self, model: str) -> None:
-        """On the tokenizer thread: load, warm, publish."""
+        """On the long prompts' thread: load, warm, publish."""
         spec = self.spec_of(model)
         try:
             tokenizer = load_tokenizer_spec(spec)
@@ -74,11 +107,12 @@ class Tokenizers:
             tokenizer = None
         self._loaded[model] = tokenizer
 
-    async def prompt_ids(self, view: RequestView, model: str) -> list[int] | None:
-        """The prompt's ids as the workers see them; None when there is nothing to route on yet: no
-        prompt, no tokenizer for this model, or one still loading (then this starts the load)."""
+    async def prompt(self, view: RequestView, model: str, limits: Limits) -> Prompt | None:
+        """The prompt as routing takes it; None when there is nothing to route on yet: no prompt, no
+        tokenizer for this model, one still loading (then this starts the load), or too many long
+        prompts already waiting."""
         if view.token_ids is not None:
-            return view.token_ids
+            return Prompt(_head(view.token_ids, limits.max_routed_tokens), tokenized=False)
         if not view.has_prompt:
             return None
         tokenizer = self._loaded.get(model)
@@ -86,7 +120,22 @@ class Tokenizers:
             if model not in self._loaded:
                 self.ensure(model)
             return None
-        return await asyncio.get_running_loop().run_in_executor(self.pool, prompt_ids, view, tokenizer)
+        head = HeadTokenizer.of(tokenizer, limits.max_tokenized_chars)
+        loop = asyncio.get_running_loop()
+        if _chars(view) <= SHORT_PROMPT_CHARS:
+            ids = await loop.run_in_executor(self._short, prompt_ids, view, head)
+        elif self._long_queued >= LONG_QUEUE:
+            return None
+        else:
+            self._long_queued += 1
+            try:
+                ids = await loop.run_in_executor(self._long, prompt_ids, view, head)
+            finally:
+                self._long_queued -= 1
+        if ids is None:
+            return None
+        whole = not head.budget.cut and len(ids) <= limits.max_routed_tokens
+        return Prompt(_head(ids, limits.max_routed_tokens), tokenized=whole)
 
     def status(self) -> dict[str, str]:
         """Per model: loaded, loading, none (configured so) or the error that left it without one."""
@@ -101,4 +150,19 @@ class Tokenizers:
         return out
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._short, self._long):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _head(ids: list[int], count: int) -> list[int]:
+    return ids if len(ids) <= count else ids[:count]
+
+
+def _chars(view: RequestView) -> int:
+    """About how many characters the prompt has (what tokenizing it costs), read without walking it."""
+    if view.text is not None:
+        return len(view.text)
+    try:
+        return len(orjson.dumps([view.messages, view.tools]))
+    except orjson.JSONEncodeError:  # nested past orjson's depth: long, whatever its size
+        return SHORT_PROMPT_CHARS + 1

@@ -5,7 +5,9 @@ gateway runs in this process. After start-up it sends two chat requests through 
 `openai` client that share a long system prompt: the first shows where it went, the second that the
 gateway sent it to the replica already holding that prefix, and how many tokens came from the cache.
 With `--prefill N` the first N workers are prefill workers and the rest decode workers: the first
-request's prompt is computed on a prefill worker and its KV moved to the decode worker that answers.
+request's prompt is computed on a prefill worker and its KV moved to the decode worker that answers;
+the pairs authenticate with a transfer secret `up` makes for the fleet (or the one already in
+$PREFIXGATE_TRANSFER_SECRET), which the workers inherit and the gateway reads from there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -30,6 +33,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from gateway.app import GATEWAY, create_app
 from gateway.config import GatewayConfig, parse_config
 from protocol.disaggregation import TRANSFERRED_TOKENS_HEADER
+from protocol.transfer_auth import SECRET_ENV
 
 SYSTEM_PROMPT = (
     "You are the support assistant of a small bicycle shop in Lyon. The shop sells city bikes, "
@@ -272,10 +276,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--once", action="store_true", help="exit after the first requests")
 
 
+def share_transfer_secret() -> None:
+    """A fresh secret for this fleet's KV transfers, unless the environment holds one: the workers
+    inherit it, and the gateway (auth.transfer_secret_env's default) reads it, from this process's
+    environment, never from a command line others can list."""
+    if not os.environ.get(SECRET_ENV):
+        os.environ[SECRET_ENV] = secrets.token_hex(32)
+
+
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.prefill < args.workers:
         console.print(f"prefixgate up: --prefill must be in [0, --workers), got {args.prefill}")
         return 2
+    if args.prefill:
+        share_transfer_secret()
     gateway_sock = listen(args.host, args.port)
     with (
         Progress(

@@ -10,13 +10,21 @@ per response).
 Timeouts: `connect_s` to open a connection; `read_s` for the replica's silence while the gateway waits
 on it (for the head, or for the next bytes of the body). A consumer that stops reading (a slow client)
 pauses the socket instead of buffering without bound, and its pause is not the replica's silence.
+
+A replica is not trusted to frame its answers well. A connection is pooled only when exactly one answer
+came back on it: a byte past the end of the answer, or one while no request is outstanding, closes it,
+so that nothing a replica sends can complete the next client's answer. Informational answers (`103
+Early Hints`) are skipped, a `101` is a failure, and a head, a skipped answer count and a read body
+have bounds. A body framed by the connection's end (neither a length nor chunked) ends at a clean close.
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
 import ssl
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from urllib.parse import urlsplit
@@ -27,8 +35,26 @@ from multidict import CIMultiDict
 # Buffered answer bytes past which the socket is paused until the consumer catches up.
 _HIGH_WATER = 256 * 1024
 SENT_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE"})
+# Methods whose repetition has the effect of one request (RFC 9110 §9.2.2): the only ones resent after
+# a connection failed once the request was written.
+IDEMPOTENT_METHODS = frozenset({"GET", "PUT", "DELETE"})
+# An answer's head (its status line and headers, any informational answers' before it) past this size
+# is no answer: llhttp sets no bound of its own.
+MAX_HEAD_BYTES = 64 * 1024
+# Informational answers skipped before the final one, at most.
+MAX_INFORMATIONAL = 16
+# A body read whole (an answer that is not a stream), at most.
+MAX_BODY_BYTES = 256 * 1024 * 1024
 # Idle connections kept per replica: a burst's extra connections are closed once it has passed.
 MAX_IDLE_PER_ORIGIN = 128
+
+
+def header_count(value: str | None) -> int | None:
+    """A count a replica sent in a header (cached or transferred tokens), or None for anything but a
+    plain decimal: headers are read as Latin-1, where `²` passes str.isdigit() and fails int()."""
+    if value is None or not (value.isascii() and value.isdigit() and len(value) < 16):
+        return None
+    return int(value)
 
 
 class UpstreamError(Exception):
@@ -136,10 +162,14 @@ class UpstreamResponse:
         """Whether the body has ended and every byte of it was read."""
         return self._complete and not self._chunks
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, limit: int = MAX_BODY_BYTES) -> bytes:
+        """The whole body, failing past `limit` bytes instead of holding what a replica sends without end."""
         parts = []
+        size = 0
         while chunk := await self.read_chunk():
+            size += len(chunk)
+            if size > limit:
+                raise UpstreamError("too_large", f"the replica's answer is over {limit} bytes")
             parts.append(chunk)
         return b"".join(parts)
 
@@ -191,10 +221,16 @@ class UpstreamResponse:
         self._wake()
 
     def _end(self, keep_alive: bool) -> None:
+        if self._error is not None:
+            return
         self._complete = True
         self._keep_alive = keep_alive
         self._timer.cancel()
         self._wake()
+
+    def _overrun(self) -> None:
+        """Bytes came past the end of this answer: it stands as it was, and its connection is not reused."""
+        self._keep_alive = False
 
     def _fail(self, error: BaseException) -> None:
         if self._complete or self._error is not None:
@@ -220,6 +256,22 @@ class UpstreamResponse:
         self._conn.close()
 
 
+def _framed(headers: list[tuple[str, str]]) -> bool:
+    """Whether an answer's head says where its body ends (a length, or chunked as the last coding);
+    without either, the connection's close ends it (RFC 9112 §6.3)."""
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered == "content-length" or (
+            lowered == "transfer-encoding" and value.rsplit(",", 1)[-1].strip().lower() == "chunked"
+        ):
+            return True
+    return False
+
+
+class _Stop(Exception):
+    """Raised from a parser callback to stop parsing: the reason is the connection's `_problem`."""
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to a replica; its parser's callbacks feed the current answer."""
 
@@ -230,22 +282,50 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
         self.closed = False
+        # Whether the gateway closed it (a connection the replica closed may have ended a body).
+        self._closing = False
         self._headers: list[tuple[str, str]] = []
+        self._head_bytes = 0
+        self._informational = 0
+        # Parsing an informational answer, which is skipped.
+        self._interim = False
+        # The final answer's body ends where the connection does (no length, not chunked).
+        self._until_eof = False
+        # Why parsing stopped: a failure, or None for bytes past the answer's end.
+        self._problem: UpstreamError | None = None
         self._paused = False
 
-    def send(self, data: bytes, read_s: float) -> UpstreamResponse:
+    def send(self, data: bytes, read_s: float) -> tuple[UpstreamResponse, bool]:
+        """The request written: its answer to come, and whether the write reached the socket (a write
+        that fails at once, the replica's end having been reset, sent nothing)."""
         assert self.transport is not None
         self.response = UpstreamResponse(self, self.pool.loop, read_s)
-        self._headers = []
+        self._head_bytes = self._informational = 0
+        self._interim = self._until_eof = False
+        self._problem = None
         self.transport.write(data)
-        return self.response
+        return self.response, not self.transport.is_closing()
+
+    def usable(self) -> bool:
+        """Whether an idle connection can carry a request. The replica's close (its keep-alive timeout),
+        or bytes it sent unasked, wait in the socket until the event loop's next turn: a zero-timeout
+        poll sees them before a request is written to a connection that is already gone."""
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
+            return False
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        poll = select.poll()
+        poll.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+        return not poll.poll(0)
 
     def idle(self) -> None:
         self.response = None
         self.pool.give_back(self)
 
     def close(self) -> None:
-        self.closed = True
+        self.closed = self._closing = True
         if self.transport is not None:
             self.transport.close()
 
@@ -266,32 +346,71 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         response = self.response
-        if response is None:  # bytes on an idle connection: nothing asked for them
+        if response is None or response._complete:
+            # Bytes nothing asked for: on an idle connection, or past the end of the answer.
+            if response is not None:
+                response._overrun()
             self.close()
             return
         response._data()
+        if not response._head:
+            self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as error:
-            response._fail(UpstreamError("bad_response", f"malformed HTTP answer: {error}"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as error:
+            if self._problem is not None:
+                response._fail(self._problem)
+            elif not response._complete:
+                response._fail(UpstreamError("bad_response", f"malformed HTTP answer: {error}"))
+            else:
+                response._overrun()
+            self.close()
+            return
+        if not response._head and self._head_bytes > MAX_HEAD_BYTES:
+            # httptools holds a header until it ends: what it holds is bounded here, a read past the bound.
+            response._fail(UpstreamError("bad_response", f"the answer's head is over {MAX_HEAD_BYTES} bytes"))
             self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self.response is None:
+        response = self.response
+        if response is None:
             self.pool.forget(self)
+        elif exc is None and not self._closing and self._until_eof and response._head:
+            response._end(False)  # the replica's close is the end of a body framed by it
         else:
             reason = f": {exc!r}" if exc is not None else ""
-            self.response._fail(UpstreamError("disconnected", f"the connection closed mid-answer{reason}"))
+            response._fail(UpstreamError("disconnected", f"the connection closed mid-answer{reason}"))
 
     # -- httptools callbacks -------------------------------------------------------------------
+
+    def _stop(self, problem: UpstreamError | None) -> None:
+        self._problem = problem
+        raise _Stop
+
+    def on_message_begin(self) -> None:
+        assert self.response is not None
+        if self.response._complete:
+            self._stop(None)
+        self._headers = []
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
         assert self.response is not None
-        self.response._head_done(self.parser.get_status_code(), self._headers)
+        status = self.parser.get_status_code()
+        if status == 101:
+            self._stop(UpstreamError("bad_response", "the replica switched protocols (101)"))
+        if 100 <= status < 200:
+            # An informational answer (103 Early Hints, 100 Continue): not the answer, which follows.
+            self._informational += 1
+            if self._informational > MAX_INFORMATIONAL:
+                self._stop(UpstreamError("bad_response", f"over {MAX_INFORMATIONAL} informational answers"))
+            self._interim = True
+            return
+        self._until_eof = not _framed(self._headers)
+        self.response._head_done(status, self._headers)
 
     def on_body(self, body: bytes) -> None:
         assert self.response is not None
@@ -299,6 +418,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self.response is not None
+        if self._interim:
+            self._interim = False
+            return
         self.response._end(self.parser.should_keep_alive())
 
 
@@ -316,15 +438,21 @@ class UpstreamClient:
         url: str,
         target: str,
         body: bytes,
-        headers: dict[str, str],
+        headers: Mapping[str, str],
         *,
         connect_s: float,
         read_s: float,
     ) -> UpstreamResponse:
-        """Send a request (`target`: path and query) and wait for the answer's head. A kept-alive
-        connection that the replica had closed before reading the request (an idle timeout racing the
-        send) is retried once on a new connection: no byte of an answer came back, so nothing was
-        done twice. HEAD is not sent: its answer has no body to frame by, and no API route needs it."""
+        """Send a request (`target`: path and query) and wait for the answer's head. HEAD is not sent:
+        its answer has no body to frame by, and no API route needs it.
+
+        A request is resent (once, on a new connection) only when the replica cannot have acted on it
+        twice. An idle connection the replica has closed is seen before the write (`usable`) and not
+        used. One that fails after the request was written, with no byte of an answer back, is resent
+        only for an idempotent method, or when the write itself failed: a replica may read a request
+        and then close without answering (a crash mid-request), and a POST — a generation, a file
+        upload — resent then would be done twice. A failed POST fails this attempt instead, which the
+        proxy treats as any replica's failure before output (gateway.proxy)."""
         if method not in SENT_METHODS:
             raise ValueError(f"the upstream client sends {sorted(SENT_METHODS)}, not {method}")
         try:
@@ -339,12 +467,13 @@ class UpstreamClient:
         data = "".join(lines).encode("utf-8", "surrogateescape") + body
         for fresh in (False, True):
             conn, reused = await self._acquire(origin, connect_s, fresh)
-            response = conn.send(data, read_s)
+            response, written = conn.send(data, read_s)
             try:
                 await response._wait_head()
             except UpstreamError:
                 response.release()
-                if reused and not response._got_bytes:
+                unanswered = reused and not response._got_bytes
+                if unanswered and (not written or method in IDEMPOTENT_METHODS):
                     continue
                 raise
             except BaseException:
@@ -357,8 +486,9 @@ class UpstreamClient:
         idle = self._idle.get(origin)
         while idle and not fresh:
             conn = idle.pop()
-            if not conn.closed:
+            if conn.usable():
                 return conn, True
+            conn.close()
         secure = origin.scheme == "https"
         if secure and self._ssl is None:
             self._ssl = ssl.create_default_context()

@@ -33,6 +33,13 @@ publisher's whole history, if it still holds it), then from the live stream.
 Everything runs on the gateway's event loop (zmq.asyncio): a batch is applied between two awaits,
 so a lookup never sees half of one. A follower never gives up: failures are kept in its state and
 retried with bounded backoff, and only cancellation ends it.
+
+What a publisher sends is bounded and validated before it is applied. Each frame is bounded by
+ZMQ_MAXMSGSIZE (libzmq drops the connection of a peer that sends a larger one: the follower reconnects
+and catches up, as after any blip), and a whole message by the same size; a message over it, in frames
+that are not vLLM's, or whose payload does not decode as a batch of well-typed events is counted
+(gateway.rejections) and handled as a malformed batch: it may have removed blocks, so the replica's
+entries are cleared, and following goes on with the next message.
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from gateway.followers import Followers
 from gateway.kv_sync import RETRY_MAX_S, Backoff
+from gateway.rejections import Rejections
 from protocol.vllm_kv_events import (
+    MAX_PAYLOAD_BYTES,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockHash,
@@ -256,11 +265,15 @@ class ZmqFollower:
         replay_timeout_s: float = REPLAY_TIMEOUT_S,
         idle_check_s: float = IDLE_CHECK_S,
         retry_max_s: float = RETRY_MAX_S,
+        max_message_bytes: int = MAX_PAYLOAD_BYTES,
+        rejections: Rejections | None = None,
     ) -> None:
         self.state = state
         self.index = index
         self.chains = chains
         self.ctx = ctx
+        self.max_message_bytes = max_message_bytes
+        self.rejections = rejections or Rejections()
         self.replay_timeout_ms = int(replay_timeout_s * 1000)
         self.idle_check_ms = int(idle_check_s * 1000)
         self.retry_max_s = retry_max_s
@@ -281,6 +294,8 @@ class ZmqFollower:
             except Exception as error:
                 self._failed(error, backoff)
                 await asyncio.sleep(backoff.failed())
+            else:  # ended by a disconnect: connect afresh, as libzmq would have
+                await asyncio.sleep(RECONNECT_IVL_MS / 1000)
 
     def _failed(self, error: Exception, backoff: Backoff) -> None:
         if backoff.delay == 0.0:
@@ -293,12 +308,15 @@ class ZmqFollower:
     # -- sockets ----------------------------------------------------------------------------------
 
     async def _session(self, backoff: Backoff) -> None:
-        """One SUB connection with its monitor, until an error or cancellation closes both."""
+        """One SUB connection with its monitor, until a disconnect, an error or cancellation closes
+        both. A disconnect ends it because libzmq does not reconnect a peer it dropped for a protocol
+        error (a frame over ZMQ_MAXMSGSIZE): a fresh socket does, whatever the cause."""
         sub = self.ctx.socket(zmq.SUB)
         monitor: zmq.asyncio.Socket | None = None
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, RCVHWM)
+            sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             sub.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
@@ -312,7 +330,13 @@ class ZmqFollower:
             while True:
                 ready = dict(await poller.poll(self.idle_check_ms))
                 if monitor in ready:
-                    await self._on_monitor(parse_monitor_message(await monitor.recv_multipart()), backoff)
+                    event = parse_monitor_message(await monitor.recv_multipart())
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        while await sub.poll(0):  # what arrived before it
+                            await self._drain(sub)
+                        self._disconnected()
+                        return
+                    await self._on_connected(backoff)
                 if sub in ready:
                     await self._drain(sub)
                 if not ready:
@@ -324,14 +348,12 @@ class ZmqFollower:
             sub.close(linger=0)
             self._close_replay()
 
-    async def _on_monitor(self, event: dict[str, Any], backoff: Backoff) -> None:
-        if event["event"] == zmq.EVENT_DISCONNECTED:
-            log.info(
-                "zmq sync: replica %s: publisher %s disconnected", self.replica, self.state.source.endpoint
-            )
-            self.state.connected = False
-            self.state.behind()
-            return
+    def _disconnected(self) -> None:
+        log.info("zmq sync: replica %s: publisher %s disconnected", self.replica, self.state.source.endpoint)
+        self.state.connected = False
+        self.state.behind()
+
+    async def _on_connected(self, backoff: Backoff) -> None:
         self.state.connected = True
         if backoff.delay:
             log.info("zmq sync: replica %s follows again", self.replica)
@@ -362,6 +384,7 @@ class ZmqFollower:
             assert self.state.source.replay is not None
             self._replay_socket = self.ctx.socket(zmq.DEALER)
             self._replay_socket.setsockopt(zmq.LINGER, 0)
+            self._replay_socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             self._replay_socket.connect(self.state.source.replay)
         sock = self._replay_socket
         try:
@@ -384,7 +407,10 @@ class ZmqFollower:
     # -- following ---------------------------------------------------------------------------------
 
     async def _receive(self, frames: list[bytes]) -> None:
+        size = sum(len(frame) for frame in frames)
         try:
+            if size > self.max_message_bytes:
+                raise MalformedEvents(f"a message of {size} bytes, over the {self.max_message_bytes} allowed")
             _, seq, payload = read_pub_frames(frames)
         except MalformedEvents as error:
             self._malformed(error)
@@ -470,7 +496,7 @@ class ZmqFollower:
     def _apply(self, seq: int, payload: bytes) -> None:
         state = self.state
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, self.max_message_bytes)
         except MalformedEvents as error:
             self._malformed(error)
             batch = None
@@ -503,7 +529,7 @@ class ZmqFollower:
 
     def _malformed(self, error: MalformedEvents) -> None:
         """A batch that cannot be read may have removed blocks: the entries are cleared, loudly."""
-        log.error("zmq sync: replica %s sent a malformed KV event message: %s", self.replica, error)
+        self.rejections.reject("zmq", f"a malformed KV event message from replica {self.replica}", error)
         self.state.errors += 1
         self.state.last_error = f"MalformedEvents: {error}"
         self._clear("a batch could not be read")
@@ -526,11 +552,15 @@ class ZmqSync:
         replay_timeout_s: float = REPLAY_TIMEOUT_S,
         idle_check_s: float = IDLE_CHECK_S,
         retry_max_s: float = RETRY_MAX_S,
+        max_message_bytes: int = MAX_PAYLOAD_BYTES,
+        rejections: Rejections | None = None,
     ) -> None:
         self.index = index
         self.replay_timeout_s = replay_timeout_s
         self.idle_check_s = idle_check_s
         self.retry_max_s = retry_max_s
+        self.max_message_bytes = max_message_bytes
+        self.rejections = rejections or Rejections()
         self._ctx: zmq.asyncio.Context | None = None
         self._followers: Followers[ZmqSyncState] = Followers()
 
@@ -559,6 +589,8 @@ class ZmqSync:
             replay_timeout_s=self.replay_timeout_s,
             idle_check_s=self.idle_check_s,
             retry_max_s=self.retry_max_s,
+            max_message_bytes=self.max_message_bytes,
+            rejections=self.rejections,
         )
         return self._followers.start(replica_id, state, follower.run(), "zmq-sync")
 

@@ -8,8 +8,9 @@ so that the two sides cannot drift apart.
   of ROLES. A worker that does not (one from before roles) is "mixed": it computes and decodes its own
   prompts, as every worker did.
 - The gateway names a decode worker's prefill partner in the chat or completion body it forwards:
-  PREFILL_FIELD, `{"url": "<the prefill worker's base URL>"}`. Without it the decode worker computes the
-  prompt itself.
+  PREFILL_FIELD, `{"url": "<the prefill worker's base URL>", "transfer", "expires", "sig"}`, a grant
+  signed with the fleet's transfer secret (protocol.transfer_auth); the decode worker acts on no other.
+  Without it the decode worker computes the prompt itself.
 - The decode worker's answer says, in TRANSFERRED_TOKENS_HEADER, how many prompt tokens arrived by
   transfer; and in PREFILL_ERROR_HEADER, why, when its prefill partner failed and it computed the prompt
   itself (the request still succeeds); in PULL_MS_HEADER and TRANSFER_MS_HEADER, the milliseconds

@@ -10,8 +10,10 @@ sides.
 Extensions beyond OpenAI's fields, as vLLM spells them where it has them: `top_k`, `ignore_eos`, and
 `prefixgate_token_ids` — the prompt's token ids as the gateway computed them (after the chat
 template, for chat). When present they are used as the prompt and nothing is tokenized; the rest of
-the body is still validated as usual. `prefixgate_prefill` — `{"url": ...}`, the prefill worker a
-decode worker pulls the prompt's KV from (prefill/decode disaggregation, workers.disaggregation).
+the body is still validated as usual. `prefixgate_prefill` — the gateway's grant naming the prefill
+worker a decode worker pulls the prompt's KV from (prefill/decode disaggregation, signed:
+protocol.transfer_auth; workers.disaggregation checks it). The gateway refuses any `prefixgate_*`
+field but `prefixgate_token_ids` from a client (gateway.internal_fields).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ CHAT_ROLES = {
 }
 # Choices per request: each is a sequence of its own in the running batch.
 MAX_N = 64
+# Levels of objects and arrays a body may nest: well under the 254 that orjson encodes.
+MAX_JSON_DEPTH = 128
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 # One chat message as the template reads it (see chat_messages).
 Message = dict[str, Any]
@@ -110,14 +114,40 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object. orjson is a strict RFC 8259 parser, and several times faster than
     the standard library's on the long id lists of token prompts: it refuses NaN and Infinity, numbers
     beyond a double, unpaired surrogates (escaped or not), text that is not UTF-8, and nesting past
-    1,024 levels, all of which would otherwise travel on into tokenizers, hashing and the engine."""
+    1,024 levels, all of which would otherwise travel on into tokenizers, hashing and the engine.
+    Nesting is bounded tighter still (MAX_JSON_DEPTH): a parsed body may be encoded again (the gateway
+    attaches fields; prompts render tools and arguments), and orjson encodes 254 levels at most."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as error:
+        if str(error).startswith("depth limit exceeded"):
+            raise _too_deep() from None
         raise ApiError(400, f"the body is not valid JSON: {error}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    if raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH and _deeper_than(body, MAX_JSON_DEPTH):
+        raise _too_deep()
     return body
+
+
+def _too_deep() -> ApiError:
+    return ApiError(
+        400, f"the body nests deeper than {MAX_JSON_DEPTH} levels of objects and arrays", code="invalid_json"
+    )
+
+
+def _deeper_than(value: dict[str, Any] | list[Any], limit: int) -> bool:
+    """Whether objects and arrays nest more than `limit` levels in `value` (itself level 1); iterative,
+    so that no depth costs a Python stack frame."""
+    stack: list[tuple[dict[str, Any] | list[Any], int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return False
 
 
 def _is_int(value: Any) -> bool:

@@ -16,4 +16,7 @@ def connect(url: str, timeout_s: float, *, decode_responses: bool = False) -> Re
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),
         decode_responses=decode_responses,
+        # A value that is not UTF-8 reads as text with U+FFFD in it, which fails validation as that one
+        # value; the default ("strict") failed the whole reply: a pipeline, or every read of a stream.
+        encoding_errors="replace",
     )

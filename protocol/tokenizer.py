@@ -40,6 +40,10 @@ SPECIAL_TOKEN_NAMES = (
 )
 # A message's reasoning, under the names templates read it by; the first is the standard one.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Characters before a cut whose tokens a cut may have changed (gateway routing of a long prompt by its
+# head): one word's worth, measured on SmolLM2's tokenizer with random cuts of prose, code, CJK and
+# runs of one letter (none changed farther back than 8 characters, outside special tokens).
+CUT_MARGIN_CHARS = 32
 
 
 class ChatTemplateError(ValueError):
@@ -107,7 +111,24 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text` as it stands: no BOS or other special token is added."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return _encode(self.backend, text).ids
+
+    def head_ids(self, text: str, max_chars: int) -> list[int]:
+        """The ids of `text`'s first `max_chars` characters that are also the whole text's first ids.
+
+        Tokenizing a text's head gives the whole text's ids except near the cut: the word (or special
+        token) the cut splits tokenizes otherwise. So the ids kept are those before the token holding
+        the character a margin before the cut (the longest special token, CUT_MARGIN_CHARS at least);
+        none where no token holds a character near there."""
+        if len(text) <= max_chars:
+            return _encode(self.backend, text).ids
+        encoding = _encode(self.backend, text[:max_chars])
+        last = max_chars - max(CUT_MARGIN_CHARS, _longest_added_token(self.backend))
+        for position in range(last, max(last - CUT_MARGIN_CHARS, -1), -1):
+            token = encoding.char_to_token(position)
+            if token is not None:
+                return encoding.ids[:token]
+        return []
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -134,6 +155,54 @@ class Tokenizer:
             raise
         except Exception as error:  # a template is code: whatever it raises means "cannot render this"
             raise ChatTemplateError(f"{type(error).__name__}: {error}") from None
+
+
+@dataclass(slots=True)
+class CharBudget:
+    """The characters one prompt may still have tokenized, shared by all its encodes."""
+
+    left: int
+    # Whether some of the prompt was left out: its ids are then only a head of the whole prompt's.
+    cut: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HeadTokenizer(Tokenizer):
+    """The tokenizer of one prompt that may be too long to tokenize whole (the gateway routes such a
+    prompt by its head): its encodes together take at most `budget.left` characters, the text that
+    crosses it is cut (Tokenizer.head_ids), and what is encoded after a cut comes out empty, so the
+    ids it gives, however a prompt's pieces are encoded and joined, are a head of the whole prompt's.
+    Rendering the chat template stays whole: that is string work, not tokenizing."""
+
+    budget: CharBudget = field(default_factory=lambda: CharBudget(0))
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, max_chars: int) -> HeadTokenizer:
+        return cls(
+            tokenizer.backend, tokenizer.chat_template, tokenizer.special_tokens, CharBudget(max_chars)
+        )
+
+    def encode(self, text: str) -> list[int]:
+        budget = self.budget
+        if budget.cut:
+            return []
+        if len(text) <= budget.left:
+            budget.left -= len(text)
+            return _encode(self.backend, text).ids
+        head, budget.left, budget.cut = budget.left, 0, True
+        return self.head_ids(text, head)
+
+
+def _encode(backend: tokenizers.Tokenizer, text: str) -> tokenizers.Encoding:
+    """`text` encoded as a batch of one, which the binding runs without the GIL: a plain encode holds
+    it throughout (about a second per MB of text), stalling every other thread, event loop included."""
+    return backend.encode_batch([text], add_special_tokens=False)[0]
+
+
+@lru_cache(maxsize=16)
+def _longest_added_token(backend: tokenizers.Tokenizer) -> int:
+    """The length of the tokenizer's longest added (special) token, in characters."""
+    return max((len(t.content) for t in backend.get_added_tokens_decoder().values()), default=0)
 
 
 def _template_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,9 @@ MEDIUM_GPU = "GPU"
 SEQ_BYTES = 8
 # The replay answer that ends a replay: seq -1, empty payload.
 REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
+# The largest payload read: one engine step's events, prompts of a million tokens included, take a few
+# MB; a consumer bounds its sockets' messages by this too (ZMQ_MAXMSGSIZE).
+MAX_PAYLOAD_BYTES = 32 * 2**20
 
 
 class MalformedEvents(ValueError):
@@ -151,15 +154,20 @@ def _event(raw: msgspec.Raw) -> Event:
     return _MAP_EVENT.decode(raw)
 
 
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """A batch in any layout of the module docstring; MalformedEvents when it is none of them."""
+def decode_batch(payload: bytes, max_bytes: int = MAX_PAYLOAD_BYTES) -> KVEventBatch:
+    """A batch in any layout of the module docstring; MalformedEvents when it is none of them, or is
+    larger than `max_bytes`."""
     if not payload:
         raise MalformedEvents("empty KV event payload")
+    if len(payload) > max_bytes:
+        raise MalformedEvents(f"a KV event payload of {len(payload)} bytes, over the {max_bytes} allowed")
     try:
         raw = _ARRAY_BATCH.decode(payload) if _is_array(payload[0]) else _MAP_BATCH.decode(payload)
         return KVEventBatch(raw.ts, [_event(e) for e in raw.events], raw.data_parallel_rank)
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
         raise MalformedEvents(f"not a KV event batch: {error}") from None
+    except RecursionError:  # msgspec's answer to nesting deeper than it decodes
+        raise MalformedEvents("not a KV event batch: nested too deep") from None
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:

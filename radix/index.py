@@ -195,12 +195,24 @@ class RadixIndex:
 
         Blocks are touched from the last to the first, so a prefix's root ends up the most
         recently used and eviction takes leaves before the roots other requests still share.
+
+        An expiry that is NaN is refused (ValueError) before anything changes: it would sit at the
+        top of the deadline heap and stop every expiry. Hashes that cannot be keys (a list where an int
+        belongs) raise TypeError, with what was inserted before them counted and bounded as usual, so
+        the index stays consistent whatever its callers pass.
         """
+        if not expires_at <= NEVER:
+            raise ValueError(f"expires_at must be a time or NEVER, got {expires_at!r}")
         state = self._state(replica)
-        if expires_at == NEVER:
-            self._insert_exact(state, hashes)
-        else:
-            self._insert_timed(replica, state, hashes, expires_at)
+        try:
+            if expires_at == NEVER and state.ticks is None:
+                self._insert_exact(state, hashes)
+            else:
+                self._insert_timed(replica, state, hashes, expires_at)
+        finally:
+            self._bound(replica, state)
+
+    def _bound(self, replica: str, state: _Replica) -> None:
         blocks = state.blocks
         if state.capacity is not None:
             while len(blocks) > state.capacity:
@@ -220,22 +232,25 @@ class RadixIndex:
         keep = ~(1 << state.bit)
         removed = timed = 0
         ticks = state.ticks
-        for h in hashes:
-            expiry = pop(h, None)
-            if expiry is None:
-                continue
-            if ticks is not None:
-                del ticks[h]
-            rest = holders[h] & keep
-            if rest:
-                holders[h] = rest
-            else:
-                del holders[h]
-            removed += 1
-            if expiry != NEVER:
-                timed += 1
-        self._entries -= removed
-        self._timed -= timed
+        try:
+            for h in hashes:
+                expiry = pop(h, None)
+                if expiry is None:
+                    continue
+                if ticks is not None:
+                    del ticks[h]
+                rest = holders[h] & keep
+                if rest:
+                    holders[h] = rest
+                else:
+                    del holders[h]
+                removed += 1
+                if expiry != NEVER:
+                    timed += 1
+        finally:
+            # Settled even when a hash that cannot be a key stops the loop: the counts stay exact.
+            self._entries -= removed
+            self._timed -= timed
 
     def settle(self, replica: str, hashes: Iterable[int]) -> None:
         """A request that was recorded on an exact replica as in flight (timed entries, until its KV
@@ -375,25 +390,31 @@ class RadixIndex:
         held = holders.get
         bit = 1 << state.bit
         added = made_exact = 0
-        for h in reversed(hashes):
-            old = get(h)
-            if old is None:
-                blocks[h] = NEVER
-                holders[h] = held(h, 0) | bit
-                added += 1
-            else:
-                move(h)
-                if old != NEVER:  # a predicted entry, now confirmed
+        try:
+            for h in reversed(hashes):
+                old = get(h)
+                if old is None:
                     blocks[h] = NEVER
-                    made_exact += 1
-        self._entries += added
-        self._timed -= made_exact
+                    holders[h] = held(h, 0) | bit
+                    added += 1
+                else:
+                    move(h)
+                    if old != NEVER:  # a predicted entry, now confirmed
+                        blocks[h] = NEVER
+                        made_exact += 1
+        finally:
+            # Settled even when a hash that cannot be a key stops the loop: the counts stay exact.
+            self._entries += added
+            self._timed -= made_exact
 
     def _insert_timed(self, replica: str, state: _Replica, hashes: Sequence[int], expires_at: float) -> None:
+        """Predicted entries, and any entry of a learning replica (whose every block needs its tick,
+        an exact one included)."""
         blocks = state.blocks
         holders = self._holders
         bit = 1 << state.bit
         ticks, ghosts = state.ticks, state.ghosts
+        timed = expires_at != NEVER
         for h in reversed(hashes):
             if ticks is not None and ghosts is not None:
                 ticks[h] = state.tick
@@ -404,12 +425,14 @@ class RadixIndex:
                 blocks[h] = expires_at
                 holders[h] = holders.get(h, 0) | bit
                 self._entries += 1
-                self._timed += 1
+                self._timed += timed
             else:
                 blocks.move_to_end(h)
                 if expires_at > old:
                     blocks[h] = expires_at
-            heapq.heappush(self._deadlines, (expires_at, h, replica))
+                    self._timed -= not timed  # a predicted entry, now exact
+            if timed:
+                heapq.heappush(self._deadlines, (expires_at, h, replica))
 
     def _state(self, replica: str) -> _Replica:
         state = self._replicas.get(replica)

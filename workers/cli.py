@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import re
 import socket
 from typing import TYPE_CHECKING
 
 from protocol.disaggregation import ROLES
+from protocol.transfer_auth import SECRET_ENV, parse_secret
 from workers.disaggregation import DEFAULT_ROOM_WAIT_S, DEFAULT_TRANSFER_TIMEOUT_S
 
 if TYPE_CHECKING:
@@ -147,13 +149,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-transfer-timeout",
         type=_seconds,
         default=DEFAULT_TRANSFER_TIMEOUT_S,
-        help="seconds a pull from a prefill worker may take before the prompt is computed here",
+        help="the most seconds a pull from a prefill worker may take before the prompt is computed here "
+        "(its deadline scales with the blocks moved: 5 s plus 0.25 s a block, up to this)",
     )
     pd.add_argument(
         "--kv-room-wait",
         type=_seconds,
         default=DEFAULT_ROOM_WAIT_S,
         help="seconds a decode worker waits for KV room to receive a prompt into before computing it here",
+    )
+    pd.add_argument(
+        "--transfer-secret",
+        default=None,
+        metavar="SECRET",
+        help=f"the fleet's KV transfer secret, shared with its gateway and the other workers (default: "
+        f"${SECRET_ENV}, which keeps it out of the process list); without one a prefill or decode "
+        "worker refuses disaggregated requests",
     )
     sim = parser.add_argument_group("simulated engine")
     sim.add_argument(
@@ -317,7 +328,16 @@ def build_worker(args: argparse.Namespace) -> Worker:
         transfer_host=_reachable_host(args),
         transfer_timeout_s=args.kv_transfer_timeout,
         room_wait_s=args.kv_room_wait,
+        transfer_secret=transfer_secret(args),
     )
+
+
+def transfer_secret(args: argparse.Namespace) -> bytes | None:
+    """--transfer-secret, else the environment's; one too short to be safe stops the worker."""
+    try:
+        return parse_secret(args.transfer_secret or os.environ.get(SECRET_ENV))
+    except ValueError as error:
+        raise SystemExit(f"prefixgate worker: {error}") from None
 
 
 def _reachable_host(args: argparse.Namespace) -> str:

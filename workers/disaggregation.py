@@ -14,13 +14,22 @@ decode worker releases what it reserved and computes the prompt itself, and says
 header for the gateway. A client that leaves mid-transfer cancels the handler: the transfer is
 given up (nothing is written to the blocks after), the reservation released, and the prefill worker,
 whose request is cut, aborts its sequence.
+
+Every hop is authenticated with the fleet's transfer secret (protocol.transfer_auth): a decode worker
+pulls only for a grant the gateway signed (a body's own `prefixgate_prefill` is refused, 403), each
+transfer id once; its order to the prefill worker is signed, and a prefill worker pushes only for an
+order that verifies; the push itself carries a MAC the receiver checks. A worker with no secret takes
+no part: it refuses both sides with a 403 that says how to give it one.
+
+A pull has a deadline scaled to what it moves (PULL_BASE_S plus PULL_S_PER_BLOCK a block, at most
+`timeout_s`), and a prefill worker that answers without having pushed ends it at once: a prefill
+worker that never pushes pins the reserved blocks for seconds, not minutes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -36,6 +45,15 @@ from protocol.disaggregation import (
 )
 from protocol.errors import ApiError
 from protocol.openai_api import are_token_ids
+from protocol.transfer_auth import (
+    GRANT_TTL_S,
+    SECRET_ENV,
+    check_grant,
+    digest,
+    live,
+    order_signature,
+    verify,
+)
 from workers.engine.block_manager import Reservation
 from workers.engine.engine import Engine
 from workers.engine.llm import AsyncLLM
@@ -45,6 +63,21 @@ from workers.kv_transfer import KVStore, TransferError, TransferServer, send_blo
 DEFAULT_TRANSFER_TIMEOUT_S = 120.0
 DEFAULT_ROOM_WAIT_S = 30.0
 ROOM_POLL_S = 0.01
+# A pull's deadline: a base for the round trip and the prefill worker's queue, plus its compute and push
+# per block moved (a CPU SmolLM2 prefills a 16-token block in well under this).
+PULL_BASE_S = 5.0
+PULL_S_PER_BLOCK = 0.25
+# How long after the prefill worker's answer its push may still be landing (it answers once the
+# receiver acknowledged it, so normally none).
+ARRIVAL_GRACE_S = 1.0
+NO_SECRET = (
+    f"this worker has no KV transfer secret (--transfer-secret, or {SECRET_ENV}): it takes no part in "
+    "prefill/decode disaggregation"
+)
+
+
+def unauthorised(message: str, param: str | None = "prefixgate_prefill") -> ApiError:
+    return ApiError(403, message, param=param, code="transfer_not_authorised")
 
 
 @dataclass(slots=True)
@@ -97,6 +130,8 @@ class Puller:
     front: AsyncLLM
     transfer: TransferServer
     session: aiohttp.ClientSession
+    # The fleet's transfer secret: the gateway's grants are checked, and this worker's orders signed, with it.
+    secret: bytes
     block_size: int
     # The KV pool's size: a prompt with more reusable blocks can never be received.
     num_blocks: int
@@ -108,8 +143,30 @@ class Puller:
     # Pulls waiting for room take turns in arrival order (asyncio.Lock is fair): a long prompt at the
     # head is not overtaken forever by short ones that happen to fit.
     _room: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Transfer ids of the grants used, until they expire: a grant is good for one pull.
+    _used: dict[str, float] = field(default_factory=dict)
 
-    async def pull(self, prompt: list[int], prefill_url: str) -> Pulled:
+    def authorise(self, value: object) -> tuple[str, str]:
+        """The prefill worker's URL and the transfer id of a grant the gateway signed, used once; 403
+        for anything else (a client's own field, a forged or expired grant, one used already)."""
+        checked = check_grant(self.secret, value)
+        if checked is None:
+            raise unauthorised(
+                "prefixgate_prefill is not a grant this worker's gateway signed (or it expired)"
+            )
+        url, transfer_id, expires = checked
+        now = time.time()
+        self._used = {used: until for used, until in self._used.items() if until >= now}
+        if transfer_id in self._used:
+            raise unauthorised(f"the grant for transfer {transfer_id} was used already")
+        self._used[transfer_id] = expires
+        return url, transfer_id
+
+    def deadline_s(self, blocks: int) -> float:
+        """How long a pull of `blocks` blocks may take before the prompt is computed here instead."""
+        return min(self.timeout_s, PULL_BASE_S + PULL_S_PER_BLOCK * blocks)
+
+    async def pull(self, prompt: list[int], prefill_url: str, transfer_id: str) -> Pulled:
         """Reserve, have the prefill worker compute and push the prompt's blocks, wait for them.
 
         Never raises for the prefill worker's failure (the error is in the result, the reservation
@@ -121,23 +178,25 @@ class Puller:
         if not reservation.blocks:  # everything reusable is cached here already
             self.front.post(lambda engine: _release(engine, reservation))
             return Pulled(None, 0, self.block_size)
-        transfer_id = uuid.uuid4().hex
+        deadline_s = self.deadline_s(len(reservation.blocks))
         arrived = self.transfer.expect(transfer_id, reservation.hashes, reservation.blocks)
-        body = {
-            "token_ids": prompt,
-            "skip_blocks": len(reservation.held),
-            "transfer": {"host": self.advertise_host, "port": self.transfer.port, "id": transfer_id},
-        }
+        body = self._order(prompt, len(reservation.held), transfer_id, deadline_s)
         start = time.monotonic()
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(deadline_s):
                 report = await self._ask(prefill_url, body)
-                received = await arrived
+            try:
+                async with asyncio.timeout(ARRIVAL_GRACE_S):
+                    received = await arrived
+            except TimeoutError:
+                raise TransferError(f"prefill worker {prefill_url} answered but pushed nothing") from None
         except (TransferError, aiohttp.ClientError, TimeoutError, ValueError) as error:
             self.transfer.forget(transfer_id)
             self.front.post(lambda engine: _release(engine, reservation))
             reason = (
-                f"prefill worker {prefill_url} timed out" if isinstance(error, TimeoutError) else str(error)
+                f"prefill worker {prefill_url} did not push within {deadline_s:g} s"
+                if isinstance(error, TimeoutError)
+                else str(error)
             )
             return Pulled(None, 0, self.block_size, error=reason or type(error).__name__)
         except BaseException:
@@ -169,15 +228,41 @@ class Puller:
                     return reservation
                 await asyncio.sleep(ROOM_POLL_S)
 
+    def _order(self, prompt: list[int], skip: int, transfer_id: str, deadline_s: float) -> dict[str, Any]:
+        """The signed `POST /kv/prefill` body: what to compute, and where to push it, until when."""
+        host, port = self.advertise_host, self.transfer.port
+        # Past the pull's own deadline by a grant's lifetime: room for the two workers' clocks to differ.
+        expires = round(time.time() + deadline_s + GRANT_TTL_S, 3)
+        return {
+            "token_ids": prompt,
+            "skip_blocks": skip,
+            "transfer": {"host": host, "port": port, "id": transfer_id},
+            "expires": expires,
+            "sig": order_signature(self.secret, transfer_id, host, port, skip, expires, prompt),
+        }
+
     async def _ask(self, prefill_url: str, body: dict[str, Any]) -> dict[str, Any]:
         async with self.session.post(f"{prefill_url.rstrip('/')}/kv/prefill", json=body) as response:
             if response.status != 200:
-                text = (await response.text())[:300]
-                raise TransferError(f"prefill worker {prefill_url} answered {response.status}: {text}")
+                raise TransferError(
+                    f"prefill worker {prefill_url} answered {response.status}{await _error_of(response)}"
+                )
             report = await response.json()
         if not isinstance(report, dict):
             raise TransferError(f"prefill worker {prefill_url} answered {report!r}")
         return report
+
+
+async def _error_of(response: aiohttp.ClientResponse) -> str:
+    """A refusal's reason, when it is a worker's OpenAI error; nothing else of the answer is repeated
+    (it goes into a response header)."""
+    try:
+        parsed = await response.json(content_type=None)
+    except (aiohttp.ClientError, ValueError):
+        return ""
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return f": {message[:200]}" if isinstance(message, str) else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +277,9 @@ class PrefillOrder:
     transfer_id: str
 
     @classmethod
-    def parse(cls, body: Any, vocab_size: int) -> PrefillOrder:
+    def parse(cls, body: Any, vocab_size: int, secret: bytes) -> PrefillOrder:
+        """The order, once its signature (a decode worker's, with the fleet's secret) verifies: 400 for
+        a malformed one, 403 for one no secret holder made, or made for a transfer that is over."""
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         ids = body.get("token_ids")
@@ -210,11 +297,16 @@ class PrefillOrder:
             raise ApiError(400, "transfer.host and transfer.port must name a TCP endpoint", param="transfer")
         if not isinstance(transfer_id, str) or not transfer_id:
             raise ApiError(400, "transfer.id must be a non-empty string", param="transfer")
+        expires = body.get("expires")
+        if not live(expires):
+            raise unauthorised("the order has expired (or names no expiry)", param="expires")
+        if not verify(secret, body.get("sig"), "order", transfer_id, host, port, skip, expires, digest(ids)):
+            raise unauthorised("the order is not signed with this fleet's transfer secret", param="sig")
         return cls(ids, skip, host, port, transfer_id)
 
 
 async def prefill_and_push(
-    front: AsyncLLM, store: KVStore, block_size: int, order: PrefillOrder
+    front: AsyncLLM, store: KVStore, block_size: int, order: PrefillOrder, secret: bytes
 ) -> dict[str, Any]:
     """The prefill side: compute the prompt's reusable blocks (its own prefix cache helping), hold
     them, push those the decode worker lacks, and report what moved. The held blocks are let go
@@ -240,7 +332,9 @@ async def prefill_and_push(
         sent = hashes[order.skip_blocks : len(held)]
         received = 0
         if sent:
-            received = await send_blocks(order.host, order.port, order.transfer_id, sent, blocks, store)
+            received = await send_blocks(
+                order.host, order.port, order.transfer_id, sent, blocks, store, secret=secret
+            )
     except TransferError as error:
         raise ApiError(502, f"the KV transfer to {order.host}:{order.port} failed: {error}") from None
     finally:

@@ -4,7 +4,7 @@ A protocol of our own over one TCP connection (asyncio streams) per transfer, pu
 
     sender -> receiver   b"PGKV", u32 header length, header JSON:
                          {"id": transfer id, "layout": KV layout, "block_bytes": n,
-                          "group_blocks": g, "hashes": [...]}
+                          "group_blocks": g, "hashes": [...], "mac": HMAC}
                          then len(hashes) * block_bytes bytes, in groups of g blocks (the last one
                          shorter): each group's K and V for every layer as raw tensor bytes, in the
                          order the store reads and writes a group (no pickling)
@@ -15,6 +15,14 @@ is even asked, so the bytes go straight from the socket into a staging buffer (p
 CUDA) and from there into the reserved blocks, a group of blocks at a time: never a whole prompt's
 KV in host memory at once. The hashes must be the reservation's, in order (a prefix of them when the
 sender lost some of its copy to eviction): a block is only ever written where its hash says it goes.
+
+Only a holder of the fleet's transfer secret can push (protocol.transfer_auth): the header's `mac` is
+its HMAC over the transfer id, layout and hashes, checked before anything of the transfer is touched,
+so a push that fails it (a guessed or observed id, another secret) changes nothing, not even the
+transfer it names, which its real sender can still complete. The port is open to the network, so it
+bounds what one connection may cost: a header no longer than the longest expected transfer's hashes
+need, a deadline on the header and on each group of blocks, and a cap on connections at once. A bad
+frame ends its own connection only.
 
 On CUDA this stages through host memory on both sides; a production deployment would replace the two
 copies and the TCP hop with NCCL or NIXL (GPU to GPU over NVLink or RDMA) behind the same calls.
@@ -30,13 +38,22 @@ from typing import Any, Protocol, runtime_checkable
 
 import orjson
 
+from protocol.transfer_auth import push_signature, verify
+
 MAGIC = b"PGKV"
 _LENGTH = struct.Struct("<I")
 # Blocks read, sent, staged and written to the cache at once: bounds host memory per transfer, and
 # what a receiver accepts at most.
 GROUP_BLOCKS = 32
 MAX_GROUP_BLOCKS = 256
-MAX_HEADER_BYTES = 16 * 2**20
+# A header's size beyond its hashes (id, layout, numbers, mac), and per hash (a u64 in decimal, a comma).
+HEADER_BASE_BYTES = 4096
+HEADER_BYTES_PER_HASH = 21
+MAX_REPLY_BYTES = 64 * 1024
+# How long a header, a group of blocks, or the receiver's answer may take to arrive (or a group to be
+# taken by a receiver), and how many connections a receiver serves at once.
+READ_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 64
 
 
 class TransferError(RuntimeError):
@@ -94,6 +111,8 @@ class Incoming:
     done: asyncio.Future[int]
     received: int = 0
     closed: bool = False
+    # An authenticated push for it is being read: another one is refused.
+    receiving: bool = False
     # Blocks per group, as the sender announced.
     group: int = GROUP_BLOCKS
 
@@ -115,7 +134,8 @@ def _frame(obj: dict[str, Any]) -> bytes:
 
 @dataclass(slots=True)
 class TransferServer:
-    """The receiving end, on a decode worker: accepts pushes for the transfers it was told to expect.
+    """The receiving end, on a decode worker: accepts authenticated pushes for the transfers it was told
+    to expect.
 
     Bytes land in the reserved blocks on the event loop thread, so a transfer given up (`forget`,
     when its client leaves or it times out) is never written to after: its reservation can be
@@ -123,10 +143,14 @@ class TransferServer:
     """
 
     store: KVStore
+    secret: bytes
     host: str = "127.0.0.1"
     port: int = 0
+    read_timeout_s: float = READ_TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
     _expected: dict[str, Incoming] = field(default_factory=dict)
     _server: asyncio.Server | None = None
+    _connections: int = 0
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, self.port)
@@ -154,6 +178,11 @@ class TransferServer:
         if incoming is not None:
             self._end(incoming, TransferError(f"transfer {transfer_id} was given up"))
 
+    def header_limit(self) -> int:
+        """The largest header an expected transfer's push needs: the bound on what one is read."""
+        longest = max((len(incoming.hashes) for incoming in self._expected.values()), default=0)
+        return HEADER_BASE_BYTES + HEADER_BYTES_PER_HASH * longest
+
     @staticmethod
     def _end(incoming: Incoming, outcome: int | BaseException) -> None:
         incoming.closed = True
@@ -166,12 +195,20 @@ class TransferServer:
             incoming.done.set_result(outcome)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._connections >= self.max_connections:
+            writer.close()
+            return
+        self._connections += 1
         incoming: Incoming | None = None
         try:
-            if await reader.readexactly(len(MAGIC)) != MAGIC:
-                raise TransferError("not a prefixgate KV transfer")
-            header = await _read_frame(reader, MAX_HEADER_BYTES)
-            incoming = self._expected_for(header)
+            try:
+                async with asyncio.timeout(self.read_timeout_s):
+                    if await reader.readexactly(len(MAGIC)) != MAGIC:
+                        raise TransferError("not a prefixgate KV transfer")
+                    header = await _read_frame(reader, self.header_limit())
+            except TimeoutError:
+                raise TransferError(f"no whole header within {self.read_timeout_s:g} s") from None
+            incoming = self._authorised(header)
             self._check(header, incoming)
             await self._receive(reader, incoming)
             writer.write(_frame({"ok": True, "received": incoming.received}))
@@ -182,17 +219,30 @@ class TransferServer:
                 self._end(incoming, TransferError(message))
             writer.write(_frame({"ok": False, "error": message}))
         finally:
+            self._connections -= 1
             if incoming is not None:
                 self._expected.pop(incoming.transfer_id, None)
             with contextlib.suppress(OSError):
                 await writer.drain()
             writer.close()
 
-    def _expected_for(self, header: dict[str, Any]) -> Incoming:
-        transfer_id = str(header.get("id"))
-        incoming = self._expected.get(transfer_id)
-        if incoming is None or incoming.closed:
-            raise TransferError(f"no transfer {transfer_id} is expected here")
+    def _authorised(self, header: dict[str, Any]) -> Incoming:
+        """The expected transfer a header is for, once its MAC proves a secret holder sent it; until
+        then nothing of that transfer is touched, so a forged push cannot fail a real one."""
+        transfer_id = header.get("id")
+        incoming = self._expected.get(transfer_id) if isinstance(transfer_id, str) else None
+        fields = (header.get("layout"), header.get("block_bytes"), header.get("group_blocks"))
+        hashes = header.get("hashes")
+        if (
+            incoming is None
+            or incoming.closed
+            or not isinstance(hashes, list)
+            or not verify(self.secret, header.get("mac"), "push", transfer_id, *fields, hashes)
+        ):
+            raise TransferError(f"no transfer {str(transfer_id)[:64]!r} is expected here from this sender")
+        if incoming.receiving:
+            raise TransferError(f"transfer {transfer_id} is already being received")
+        incoming.receiving = True
         return incoming
 
     def _check(self, header: dict[str, Any], incoming: Incoming) -> None:
@@ -203,8 +253,8 @@ class TransferServer:
                 f"KV layout {header.get('layout')!r} ({header.get('block_bytes')} bytes a block) does not "
                 f"match this worker's {store.kv_layout!r} ({store.kv_block_bytes})"
             )
-        hashes = header.get("hashes")
-        if not isinstance(hashes, list) or hashes != incoming.hashes[: len(hashes)]:
+        hashes = header["hashes"]
+        if hashes != incoming.hashes[: len(hashes)]:
             raise TransferError("the blocks sent are not the ones reserved for them")
         group = header.get("group_blocks")
         if type(group) is not int or not 0 < group <= MAX_GROUP_BLOCKS:
@@ -221,12 +271,20 @@ class TransferServer:
             size = len(group) * block_bytes
             view = staging[:size]
             filled = 0
-            while filled < size:
-                chunk = await reader.read(min(size - filled, 2**20))
-                if not chunk:
-                    raise TransferError(f"the sender closed after {start * block_bytes + filled} bytes")
-                view[filled : filled + len(chunk)] = chunk
-                filled += len(chunk)
+            try:
+                async with asyncio.timeout(self.read_timeout_s):
+                    while filled < size:
+                        chunk = await reader.read(min(size - filled, 2**20))
+                        if not chunk:
+                            raise TransferError(
+                                f"the sender closed after {start * block_bytes + filled} bytes"
+                            )
+                        view[filled : filled + len(chunk)] = chunk
+                        filled += len(chunk)
+            except TimeoutError:
+                raise TransferError(
+                    f"a group of {len(group)} blocks did not arrive within {self.read_timeout_s:g} s"
+                ) from None
             if incoming.closed:
                 raise TransferError("the transfer was given up while it ran")
             self.store.write_blocks(group, view)
@@ -240,13 +298,18 @@ async def send_blocks(
     hashes: list[int],
     blocks: list[int],
     store: KVStore,
+    *,
+    secret: bytes,
+    timeout_s: float = READ_TIMEOUT_S,
 ) -> int:
-    """Push `blocks` (holding `hashes`, held so that nothing overwrites them meanwhile) to a receiver;
-    the number of blocks it acknowledged."""
+    """Push `blocks` (holding `hashes`, held so that nothing overwrites them meanwhile) to a receiver,
+    signed with the fleet's secret; the number of blocks it acknowledged. Each step (connecting, a
+    group taken, the answer) has `timeout_s`: a stalled receiver ends the push, not holds it."""
     try:
-        reader, writer = await asyncio.open_connection(host, port)
-    except OSError as error:
-        raise TransferError(f"cannot reach the receiver at {host}:{port}: {error}") from error
+        async with asyncio.timeout(timeout_s):
+            reader, writer = await asyncio.open_connection(host, port)
+    except (OSError, TimeoutError) as error:
+        raise TransferError(f"cannot reach the receiver at {host}:{port}: {error!r}") from error
     try:
         header = {
             "id": transfer_id,
@@ -255,15 +318,23 @@ async def send_blocks(
             "group_blocks": GROUP_BLOCKS,
             "hashes": hashes,
         }
+        header["mac"] = push_signature(
+            secret, transfer_id, store.kv_layout, store.kv_block_bytes, GROUP_BLOCKS, hashes
+        )
         writer.write(MAGIC + _frame(header))
         for start in range(0, len(blocks), GROUP_BLOCKS):
             writer.write(store.read_blocks(blocks[start : start + GROUP_BLOCKS]))
-            await writer.drain()
-        reply = await _read_frame(reader, MAX_HEADER_BYTES)
+            async with asyncio.timeout(timeout_s):
+                await writer.drain()
+        async with asyncio.timeout(timeout_s):
+            reply = await _read_frame(reader, MAX_REPLY_BYTES)
+    except TimeoutError:
+        raise TransferError(f"the receiver at {host}:{port} stalled for {timeout_s:g} s") from None
     except (asyncio.IncompleteReadError, OSError) as error:
         raise TransferError(f"the receiver closed the connection without an answer: {error!r}") from error
     finally:
         writer.close()
-    if reply.get("ok") is not True:
-        raise TransferError(f"the receiver refused the transfer: {reply.get('error')}")
-    return int(reply.get("received", 0))
+    received = reply.get("received")
+    if reply.get("ok") is not True or type(received) is not int:
+        raise TransferError(f"the receiver refused the transfer: {str(reply.get('error'))[:300]}")
+    return received

@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from protocol.disaggregation import Role
+from protocol.disaggregation import PREFILL_FIELD, Role
 from protocol.errors import CLIENT_GONE, RETRY_AFTER_S, ApiError, error_json
 from protocol.kv_events import EventBatch
 from protocol.openai_api import GenerationRequest, ServedModel, parse_chat, parse_completion, parse_json
@@ -41,14 +41,17 @@ from protocol.openai_responses import (
 )
 from protocol.prompts import prompt_token_ids
 from protocol.serving import METRICS_CONTENT_TYPE
+from protocol.stream_ids import STREAM_IDS_HEADER, ids_comment
 from protocol.tokenizer import Tokenizer
 from workers.disaggregation import (
     DEFAULT_ROOM_WAIT_S,
     DEFAULT_TRANSFER_TIMEOUT_S,
+    NO_SECRET,
     PrefillOrder,
     Pulled,
     Puller,
     prefill_and_push,
+    unauthorised,
 )
 from workers.engine.engine import Engine, PromptTooLong, RequestOutput
 from workers.engine.llm import AsyncLLM
@@ -116,6 +119,8 @@ class Worker:
     transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
     # How long a pull waits for KV room before the prompt is computed here after all.
     room_wait_s: float = DEFAULT_ROOM_WAIT_S
+    # The fleet's KV transfer secret (protocol.transfer_auth); None: no part in disaggregation.
+    transfer_secret: bytes | None = None
 
     @classmethod
     def around(
@@ -314,6 +319,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         decode_token=_token_decoder(worker.tokenizer),
         include_usage=gen.include_usage,
     )
+    grant = _granted(rt, body) if gen.prefill_url is not None else None
     with rt.admission.slot() as release:
         if gen.token_ids is not None:  # the gateway's ids (or the client's): nothing to tokenize
             ids = list(gen.token_ids)
@@ -321,7 +327,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             loop = asyncio.get_running_loop()
             ids = await loop.run_in_executor(rt.tokenize_pool, prompt_token_ids, gen, worker.tokenizer)
         sampling = sampling_params(gen, len(ids), served, worker.info.block_size)
-        pulled = await _pull(rt, ids, gen.prefill_url)
+        pulled = await _pull(rt, ids, grant)
         prelude = pulled.prelude() if pulled is not None else None
         headers = pulled.headers() if pulled is not None else {}
         try:
@@ -340,17 +346,26 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 worker.front.post(lambda engine: engine.block_manager.release(reservation))
 
 
-async def _pull(rt: Runtime, ids: list[int], prefill_url: str | None) -> Pulled | None:
-    """The prompt's KV from the prefill worker the gateway named, if it named one."""
-    if prefill_url is None:
-        return None
+def _granted(rt: Runtime, body: dict[str, Any]) -> tuple[str, str]:
+    """The prefill worker and transfer id the gateway's signed grant names (Puller.authorise); checked
+    before the request queues, so a refused one costs nothing."""
     if rt.puller is None:
+        if rt.worker.info.role == "decode":
+            raise unauthorised(NO_SECRET)
         raise ApiError(
             400,
             f"this is a {rt.worker.info.role} worker: only a decode worker pulls KV (prefixgate_prefill)",
             param="prefixgate_prefill",
         )
-    pulled = await rt.puller.pull(ids, prefill_url)
+    return rt.puller.authorise(body.get(PREFILL_FIELD))
+
+
+async def _pull(rt: Runtime, ids: list[int], grant: tuple[str, str] | None) -> Pulled | None:
+    """The prompt's KV from the prefill worker the gateway's grant names, if it gave one."""
+    if grant is None:
+        return None
+    assert rt.puller is not None
+    pulled = await rt.puller.pull(ids, *grant)
     rt.metrics.observe_pull(pulled.tokens, pulled.bytes, pulled.seconds, failed=pulled.error is not None)
     if pulled.error is not None:
         log.warning("computing the prompt here: %s", pulled.error)
@@ -445,6 +460,8 @@ async def _stream(
     )
     await response.prepare(request)
     usage = _Usage(gen.n)
+    # The gateway's ask: each event names its tokens' ids (protocol.stream_ids), for it to continue from.
+    ids: list[list[int]] | None = [[] for _ in range(gen.n)] if STREAM_IDS_HEADER in request.headers else None
     try:
         if gen.chat:
             for index in range(gen.n):
@@ -452,9 +469,15 @@ async def _stream(
         while True:
             usage.add(out)
             logprobs = _token_logprobs(out) if gen.logprobs is not None else None
+            if ids is not None:
+                ids[out.index] += out.new_token_ids
             if out.new_text or out.finished or logprobs:
                 reason = out.finish_reason if out.finished else None
-                await response.write(sse(shaper.chunk(out.new_text, reason, logprobs, index=out.index)))
+                note = b""
+                if ids is not None:
+                    note, ids[out.index] = ids_comment(ids[out.index]), []
+                chunk = shaper.chunk(out.new_text, reason, logprobs, index=out.index)
+                await response.write(note + sse(chunk))
             if not usage.unfinished:
                 break
             try:
@@ -656,10 +679,13 @@ async def kv_prefill(request: web.Request) -> web.Response:
     worker that asked (workers.disaggregation)."""
     rt = request.app[RUNTIME]
     worker = rt.worker
-    order = PrefillOrder.parse(parse_json(await request.read()), worker.info.vocab_size)
+    secret = worker.transfer_secret
+    if secret is None:
+        raise unauthorised(NO_SECRET, param=None)
+    order = PrefillOrder.parse(parse_json(await request.read()), worker.info.vocab_size, secret)
     with rt.admission.slot():
         try:
-            report = await prefill_and_push(worker.front, worker.store, worker.info.block_size, order)
+            report = await prefill_and_push(worker.front, worker.store, worker.info.block_size, order, secret)
         except (PromptTooLong, UnschedulableSequence) as error:
             raise ApiError(400, str(error), param="token_ids", code="request_too_large") from None
     rt.metrics.observe_push(report["bytes"])
@@ -667,20 +693,25 @@ async def kv_prefill(request: web.Request) -> web.Response:
 
 
 async def _transfers(app: web.Application) -> AsyncIterator[None]:
-    """A decode worker's transfer port and its HTTP client to prefill workers. Only a decode worker's:
-    the gateway pairs no other, and a listening port nobody uses is one more to collide with."""
+    """A decode worker's transfer port and its HTTP client to prefill workers. Only a decode worker's
+    with the fleet's secret: the gateway pairs no other, nobody else could push to it, and a listening
+    port nobody uses is one more to collide with."""
     rt = app[RUNTIME]
     worker = rt.worker
-    if worker.info.role != "decode":
+    secret = worker.transfer_secret
+    if worker.info.role != "decode" or secret is None:
+        if worker.info.role == "decode":
+            log.warning("%s: no KV transfer port; every prompt is computed here", NO_SECRET)
         yield
         return
-    server = TransferServer(worker.store, worker.transfer_host, worker.transfer_port)
+    server = TransferServer(worker.store, secret, worker.transfer_host, worker.transfer_port)
     await server.start()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         rt.puller = Puller(
             worker.front,
             server,
             session,
+            secret,
             worker.info.block_size,
             worker.info.num_blocks,
             worker.transfer_host,

@@ -49,4 +49,5 @@ def test_every_scenario_is_offered() -> None:
         "overload",
         "disconnect_storm",
         "stuck_upstream",
+        "streams_replica_killed",
     ]

@@ -266,3 +266,18 @@ def recording_backend() -> Iterator[Callable[..., tuple[RecordingBackend, str]]]
     yield start
     for backend in started:
         backend.server.stop()
+
+
+def assert_openai_error(status: int, body: bytes, where: str) -> None:
+    """A 4xx in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, the last two null or str."""
+    assert status < 500, f"{where}: {status} {body[:500]!r}"
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        raise AssertionError(f"{where}: {status} with a body that is not JSON: {body[:500]!r}") from None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    assert isinstance(error, dict), f"{where}: {status} {payload!r}"
+    assert isinstance(error.get("message"), str) and error["message"], f"{where}: {payload!r}"
+    assert isinstance(error.get("type"), str) and error["type"], f"{where}: {payload!r}"
+    assert set(error) >= {"param", "code"}, f"{where}: {payload!r}"
+    assert all(error[k] is None or isinstance(error[k], str) for k in ("param", "code")), payload

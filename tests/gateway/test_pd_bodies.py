@@ -15,6 +15,7 @@ from gateway.pd_bodies import (
     vllm_prefill_body,
     vllm_transfer_params,
 )
+from protocol.transfer_auth import check_grant
 from tests.gateway.test_pd_legs import REMOTE_DECODE
 
 CHAT = {
@@ -101,5 +102,10 @@ def test_a_room_leaves_room_for_every_sequence_sglang_numbers_from_it(body: dict
     assert room + sequences - 1 == 2**63 - 1
 
 
-def test_our_decode_worker_is_named_its_prefill_worker() -> None:
-    assert bundled_fields("http://10.0.0.5:8101") == {"prefixgate_prefill": {"url": "http://10.0.0.5:8101"}}
+def test_our_decode_worker_is_named_its_prefill_worker_in_a_signed_grant() -> None:
+    secret = b"a-test-kv-transfer-secret"
+    (field,) = bundled_fields("http://10.0.0.5:8101", secret).values()
+    url, transfer_id, _ = check_grant(secret, field) or ("", "", 0)
+    assert url == "http://10.0.0.5:8101" and len(transfer_id) == 32
+    assert check_grant(b"another-fleet's-secret", field) is None
+    assert bundled_fields("http://10.0.0.5:8101", secret)["prefixgate_prefill"]["transfer"] != transfer_id

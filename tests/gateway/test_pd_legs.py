@@ -145,7 +145,8 @@ class Instance:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
-        self.request_ids.append(request.headers.get("X-Request-Id", ""))
+        # Every X-Request-Id it got, however spelled: one, or the pairing is ambiguous.
+        self.request_ids.append(",".join(request.headers.getall("X-Request-Id", [])))
         if self.failing:
             self.failing -= 1
             error = {"error": {"message": f"{self.role} failed on purpose", "type": "server_error"}}
@@ -309,16 +310,19 @@ def test_a_paired_stream_goes_as_the_client_sent_it_without_asking_for_usage(
     assert text == "".join(TEXT) and "stream_options" not in decode.received[0]
 
 
-def test_a_client_request_id_goes_to_both_vllm_instances(fleet: Callable[..., Any]) -> None:
+def test_a_client_request_id_gives_way_to_the_gateways_own_on_both_vllm_instances(
+    fleet: Callable[..., Any],
+) -> None:
+    """The connector pairs the two sides by X-Request-Id: a client's own could name another request's."""
     gateway, (prefill,), (decode,) = fleet("vllm")
     request = _request(False)
     prefill.expect = decode.expect = request
     given = {k: v for k, v in request.items() if k not in ("model", "messages")}
     client = gateway.client()
     client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, extra_body=given, extra_headers={"X-Request-Id": "client-7"}
+        model=MODEL, messages=MESSAGES, extra_body=given, extra_headers={"x-request-id": "client-7"}
     )
-    assert prefill.request_ids == decode.request_ids == ["client-7"]
+    assert prefill.request_ids == decode.request_ids and uuid.UUID(prefill.request_ids[0])
 
 
 def test_a_failed_vllm_prefill_is_retried_on_the_next_pair(fleet: Callable[..., Any]) -> None:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from aiohttp import web
 
+from protocol.transfer_auth import SECRET_ENV, check_grant
 from radix import block_hashes
 from tests.gateway.conftest import RunningGateway
 from tests.workers.conftest import ServerThread
@@ -26,6 +27,21 @@ from tests.workers.conftest import ServerThread
 MODEL = "pd-ours"
 BLOCK = 16
 PROMPT = list(range(1000, 1400))  # 400 token ids: 25 blocks
+SECRET = "a-test-kv-transfer-secret"
+
+
+@pytest.fixture(autouse=True)
+def transfer_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fleet's KV transfer secret, where the gateway reads it: bundled pairs are signed with it."""
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+
+
+def prefill_of(body: dict[str, Any]) -> str | None:
+    """The prefill worker a decode worker's body names, in a grant signed with the fleet's secret."""
+    checked = check_grant(SECRET.encode(), body["prefixgate_prefill"])
+    return checked[0] if checked is not None else None
+
+
 OTHER = list(range(5000, 5400))
 
 
@@ -167,7 +183,8 @@ def test_a_decode_worker_is_told_its_prefill_worker_beside_the_token_ids(
     (received,) = decode.bodies("/v1/chat/completions")
     ids = received.pop("prefixgate_token_ids")
     assert isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)
-    assert received == {**sent, "prefixgate_prefill": {"url": prefill.url}}
+    assert prefill_of(received) == prefill.url
+    assert {k: v for k, v in received.items() if k != "prefixgate_prefill"} == sent
     assert prefill.received == [], "the decode worker asks its prefill worker, not the gateway"
     assert response.headers["x-prefixgate-replica"] == "d"
     assert response.headers["x-prefixgate-prefill-replica"] == "p"
@@ -196,7 +213,7 @@ def test_a_prompt_a_decode_worker_holds_goes_there_without_a_prefill_worker(
     response = complete(gateway, OTHER)
     assert response.headers["x-prefixgate-prefill-replica"] == "p"
     served = holder if response.headers["x-prefixgate-replica"] == "holder" else other
-    assert served.bodies()[-1]["prefixgate_prefill"] == {"url": prefill.url}
+    assert prefill_of(served.bodies()[-1]) == prefill.url
 
 
 def test_a_failed_prefill_worker_is_marked_and_counted_and_the_request_served(
@@ -288,8 +305,8 @@ def test_a_decode_worker_that_refuses_is_retried_on_the_next_pair(
     assert response.status_code == 200 and response.headers["x-prefixgate-replica"] == "busy"
     # The first pair was the idle decode worker with the prefill worker holding the prompt; the
     # retry, the next decode worker with the next prefill worker.
-    assert full.bodies()[0]["prefixgate_prefill"] == {"url": holder.url}
-    assert busy.bodies()[0]["prefixgate_prefill"] == {"url": other.url}
+    assert prefill_of(full.bodies()[0]) == holder.url
+    assert prefill_of(busy.bodies()[0]) == other.url
     assert response.headers["x-prefixgate-prefill-replica"] == "p2"
     assert metric(gateway, "prefixgate_gateway_retries_total", model=MODEL, reason="http_503") == 1
     assert not any(gateway.gw.replicas.get(rid).inflight for rid in ("p1", "p2", "full", "busy"))

@@ -17,6 +17,7 @@ import pytest
 from gateway.app import create_app
 from gateway.config import parse_config
 from protocol.disaggregation import TRANSFERRED_TOKENS_HEADER
+from protocol.transfer_auth import SECRET_ENV
 from tests.workers.conftest import RunningWorker, ServerThread, serve_worker
 from tests.workers.test_server import idle, slow_down, wait_for
 from workers.engine.engine import Engine, EngineConfig
@@ -42,15 +43,27 @@ class Fleet:
         return openai.OpenAI(base_url=f"{url or self.gateway}/v1", api_key="none", max_retries=0, **kwargs)
 
 
+SECRET = "a-test-kv-transfer-secret"
+
+
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
+    # The fleet's KV transfer secret, where the gateway reads it; the workers are given it.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(SECRET_ENV, SECRET)
+        yield from _fleet()
+
+
+def _fleet() -> Iterator[Fleet]:
     loaded = load()
     servers: list[ServerThread] = []
     workers = {}
     for role in ("prefill", "decode", "mixed"):
         events = KVEventLog()
         engine = Engine(loaded, EngineConfig(block_size=16, num_blocks=256), **events.callbacks())
-        worker = Worker.around(engine, events, worker_id=role, backend="torch_sdpa", role=role)
+        worker = Worker.around(
+            engine, events, worker_id=role, backend="torch_sdpa", role=role, transfer_secret=SECRET.encode()
+        )
         workers[role], server = serve_worker(worker, engine)
         servers.append(server)
     config = {

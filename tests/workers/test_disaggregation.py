@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from protocol.disaggregation import PREFILL_ERROR_HEADER, TRANSFERRED_TOKENS_HEADER
+from protocol.transfer_auth import grant, order_signature
 from radix.hashing import block_hashes
 from tests.workers.test_server import idle, random_ids, slow_down, wait_for
 from workers.engine.engine import EngineConfig
@@ -28,6 +30,13 @@ if TYPE_CHECKING:
     from tests.workers.conftest import RunningWorker, StartWorker
 
 CONFIG = EngineConfig(block_size=4, num_blocks=256)
+# The fleet's KV transfer secret: every worker here holds it, and the tests sign as the gateway would.
+SECRET = b"a-test-kv-transfer-secret"
+
+
+def granted(prefill_url: str) -> dict:
+    """A gateway's grant to pull a fresh transfer from `prefill_url`."""
+    return grant(SECRET, prefill_url, uuid.uuid4().hex)
 
 
 def complete(
@@ -35,7 +44,7 @@ def complete(
 ) -> httpx.Response:
     body: dict = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, **extra}
     if prefill is not None:
-        body["prefixgate_prefill"] = {"url": prefill}
+        body["prefixgate_prefill"] = granted(prefill)
     response = httpx.post(f"{worker.url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
     return response
@@ -52,7 +61,11 @@ def cached_of(response: httpx.Response) -> int:
 @pytest.fixture
 def pair(make_worker: StartWorker) -> tuple[RunningWorker, RunningWorker, RunningWorker]:
     """A prefill worker, a decode worker and a mixed one, all on the same tiny model."""
-    return make_worker(CONFIG, role="prefill"), make_worker(CONFIG, role="decode"), make_worker(CONFIG)
+    return (
+        make_worker(CONFIG, role="prefill", transfer_secret=SECRET),
+        make_worker(CONFIG, role="decode", transfer_secret=SECRET),
+        make_worker(CONFIG),
+    )
 
 
 def test_roles_are_announced(pair: tuple[RunningWorker, RunningWorker, RunningWorker]) -> None:
@@ -106,7 +119,7 @@ def test_the_decode_side_streams_and_reports_cached_tokens(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "prefixgate_prefill": {"url": prefill.url},
+        "prefixgate_prefill": granted(prefill.url),
     }
     with httpx.stream("POST", f"{decode.url}/v1/completions", json=body, timeout=60) as response:
         assert response.headers[TRANSFERRED_TOKENS_HEADER] == "48"
@@ -190,7 +203,7 @@ def test_a_client_leaving_mid_transfer_releases_the_reservation(
     body = {
         "prompt": prompt,
         "max_tokens": 4,
-        "prefixgate_prefill": {"url": f"http://127.0.0.1:{silent.port}"},
+        "prefixgate_prefill": granted(f"http://127.0.0.1:{silent.port}"),
     }
     outcome: list[BaseException] = []
 
@@ -214,9 +227,12 @@ def test_a_stalled_receiver_frees_the_prefill_sides_held_blocks(
     pair: tuple[RunningWorker, RunningWorker, RunningWorker], silent: SilentServer
 ) -> None:
     prefill, _, _ = pair
+    ids, expires = random_ids(33, 7), time.time() + 60
     order = {
-        "token_ids": random_ids(33, 7),
+        "token_ids": ids,
         "transfer": {"host": "127.0.0.1", "port": silent.port, "id": "t"},
+        "expires": expires,
+        "sig": order_signature(SECRET, "t", "127.0.0.1", silent.port, 0, expires, ids),
     }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{prefill.url}/kv/prefill", json=order, timeout=httpx.Timeout(10, read=1.0))
@@ -232,7 +248,8 @@ def test_simulated_workers_pair_up_with_hashes_and_no_bytes(serve: Callable[...,
     for role in ("prefill", "decode"):
         events = KVEventLog()
         sim = SimEngine(CPU_SMOLLM2, clock=VirtualClock(), **events.callbacks())
-        workers.append(serve(Worker.around(sim, events, worker_id=role, backend="sim", role=role), sim))
+        worker = Worker.around(sim, events, worker_id=role, backend="sim", role=role, transfer_secret=SECRET)
+        workers.append(serve(worker, sim))
     prefill, decode = workers
     prompt = random_ids(70, 11)
     pulled = complete(decode, prompt, prefill.url)
@@ -247,8 +264,8 @@ def test_simulated_workers_pair_up_with_hashes_and_no_bytes(serve: Callable[...,
 def test_a_decode_worker_without_room_waits_for_it_rather_than_prefill_itself(
     make_worker: StartWorker,
 ) -> None:
-    prefill = make_worker(CONFIG, role="prefill")
-    decode = make_worker(EngineConfig(block_size=4, num_blocks=24), role="decode")
+    prefill = make_worker(CONFIG, role="prefill", transfer_secret=SECRET)
+    decode = make_worker(EngineConfig(block_size=4, num_blocks=24), role="decode", transfer_secret=SECRET)
     slow_down(decode, 0.05)
     # An 80-token prompt holds 20 of the pool's 24 blocks (23 by its end) for 10 slow steps.
     hog = {"prompt": random_ids(80, 12), "max_tokens": 10, "ignore_eos": True}
@@ -272,8 +289,10 @@ def test_a_decode_worker_without_room_waits_for_it_rather_than_prefill_itself(
 def test_no_room_past_the_wait_computes_locally_without_blaming_the_prefill_worker(
     make_worker: StartWorker,
 ) -> None:
-    prefill = make_worker(CONFIG, role="prefill")
-    decode = make_worker(EngineConfig(block_size=4, num_blocks=24), role="decode", room_wait_s=0.2)
+    prefill = make_worker(CONFIG, role="prefill", transfer_secret=SECRET)
+    decode = make_worker(
+        EngineConfig(block_size=4, num_blocks=24), role="decode", room_wait_s=0.2, transfer_secret=SECRET
+    )
     slow_down(decode, 0.1)
     hog = {"prompt": random_ids(80, 14), "max_tokens": 10, "ignore_eos": True}
     hogging = threading.Thread(

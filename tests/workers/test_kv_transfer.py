@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import struct
 
+import orjson
 import pytest
 import torch
 
+from protocol.transfer_auth import push_signature
 from workers.engine.model_runner import ModelRunner
 from workers.kv_transfer import GROUP_BLOCKS, MAGIC, TransferError, TransferServer, send_blocks
 
 BLOCK = 64
+SECRET = b"a-test-kv-transfer-secret"
 
 
 class ArrayStore:
@@ -53,13 +56,15 @@ def run(coro):  # type: ignore[no-untyped-def]
 def test_blocks_land_where_their_hashes_were_reserved() -> None:
     async def main() -> None:
         source, target = filled(128), ArrayStore(128)
-        receiver = TransferServer(target)
+        receiver = TransferServer(target, SECRET)
         await receiver.start()
         count = 2 * GROUP_BLOCKS + 3  # more than one staging group
         hashes = list(range(1000, 1000 + count))
         dest = list(range(127, 127 - count, -1))
         arrived = receiver.expect("t1", hashes, dest)
-        sent = await send_blocks("127.0.0.1", receiver.port, "t1", hashes, list(range(count)), source)
+        sent = await send_blocks(
+            "127.0.0.1", receiver.port, "t1", hashes, list(range(count)), source, secret=SECRET
+        )
         assert sent == count and await arrived == count
         assert all(target.block(d) == source.block(s) for s, d in enumerate(dest))
         assert target.block(0) == bytes(BLOCK), "no block outside the reservation is written"
@@ -71,10 +76,10 @@ def test_blocks_land_where_their_hashes_were_reserved() -> None:
 def test_a_prefix_of_the_reserved_hashes_is_accepted() -> None:
     async def main() -> None:
         source, target = filled(8), ArrayStore(8)
-        receiver = TransferServer(target)
+        receiver = TransferServer(target, SECRET)
         await receiver.start()
         arrived = receiver.expect("t", [1, 2, 3], [5, 6, 7])
-        assert await send_blocks("127.0.0.1", receiver.port, "t", [1, 2], [0, 1], source) == 2
+        assert await send_blocks("127.0.0.1", receiver.port, "t", [1, 2], [0, 1], source, secret=SECRET) == 2
         assert await arrived == 2 and target.block(7) == bytes(BLOCK)
         await receiver.close()
 
@@ -87,7 +92,7 @@ def test_refused_transfers_write_nothing(case: str) -> None:
         source, target = filled(8), ArrayStore(8)
         if case == "layout":
             source.kv_layout = "bytes[32]"
-        receiver = TransferServer(target)
+        receiver = TransferServer(target, SECRET)
         await receiver.start()
         arrived = receiver.expect("t", [1, 2], [3, 4])
         hashes = [2, 1] if case == "hashes" else [1, 2]
@@ -95,7 +100,7 @@ def test_refused_transfers_write_nothing(case: str) -> None:
         if case == "forgotten":
             receiver.forget("t")
         with pytest.raises(TransferError):
-            await send_blocks("127.0.0.1", receiver.port, transfer_id, hashes, [0, 1], source)
+            await send_blocks("127.0.0.1", receiver.port, transfer_id, hashes, [0, 1], source, secret=SECRET)
         assert target.writes == 0
         if case in ("layout", "hashes", "forgotten"):
             with pytest.raises(TransferError):
@@ -108,11 +113,21 @@ def test_refused_transfers_write_nothing(case: str) -> None:
 def test_a_sender_cut_off_mid_payload_fails_the_transfer() -> None:
     async def main() -> None:
         target = ArrayStore(8)
-        receiver = TransferServer(target)
+        receiver = TransferServer(target, SECRET)
         await receiver.start()
         arrived = receiver.expect("t", [1, 2], [3, 4])
         _, writer = await asyncio.open_connection("127.0.0.1", receiver.port)
-        header = b'{"id":"t","layout":"bytes[64]","block_bytes":64,"group_blocks":2,"hashes":[1,2]}'
+        mac = push_signature(SECRET, "t", "bytes[64]", 64, 2, [1, 2])
+        header = orjson.dumps(
+            {
+                "id": "t",
+                "layout": "bytes[64]",
+                "block_bytes": 64,
+                "group_blocks": 2,
+                "hashes": [1, 2],
+                "mac": mac,
+            }
+        )
         writer.write(MAGIC + struct.pack("<I", len(header)) + header + b"x" * (BLOCK + 5))
         await writer.drain()
         writer.close()
@@ -126,12 +141,12 @@ def test_a_sender_cut_off_mid_payload_fails_the_transfer() -> None:
 
 def test_unreachable_receiver_is_a_transfer_error() -> None:
     async def main() -> None:
-        receiver = TransferServer(ArrayStore(1))
+        receiver = TransferServer(ArrayStore(1), SECRET)
         await receiver.start()
         port = receiver.port
         await receiver.close()
         with pytest.raises(TransferError, match="cannot reach"):
-            await send_blocks("127.0.0.1", port, "t", [1], [0], filled(1))
+            await send_blocks("127.0.0.1", port, "t", [1], [0], filled(1), secret=SECRET)
 
     run(main())
 
