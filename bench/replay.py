@@ -78,7 +78,8 @@ from bench.workloads import (
     Turn,
     total_turns,
 )
-from gateway.upstream import UpstreamClient, UpstreamError
+from gateway.proxy import PREDICTED_TTFT_HEADER
+from gateway.upstream import UpstreamClient, UpstreamError, header_count
 from policies import POLICY_NAMES
 from workers.server import WORKER_HEADER
 from workers.sim.profiles import get_profile
@@ -138,6 +139,8 @@ class RequestRecord:
     # Which session's which turn it was (None: a request of no session, as closed_loop's).
     session: int | None = None
     turn: int = 0
+    # The gateway's predicted wait for its first token there (None: not a prefixgate gateway's answer).
+    predicted_ttft_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -168,6 +171,7 @@ class ReplayResult:
             "hit_rate": sum(r.cached_tokens for r in records) / prompt if prompt else 0.0,
             "requests_per_replica": dict(sorted(Counter(r.replica for r in records).items())),
             "moved_turns": moved_turns(records),
+            "ttft_predicted": ttft_predicted(records),
             "throughput_req_s": self.completed / span,
             "output_tok_s": sum(r.output_tokens for r in records) / span,
             "elapsed_s": self.elapsed_s,
@@ -181,6 +185,15 @@ def moved_turns(records: Sequence[RequestRecord]) -> float | None:
     served = {(r.session, r.turn): r.replica for r in records if r.session is not None}
     pairs = [(replica, served[s, k - 1]) for (s, k), replica in served.items() if (s, k - 1) in served]
     return sum(now != before for now, before in pairs) / len(pairs) if pairs else None
+
+
+def ttft_predicted(records: Sequence[RequestRecord]) -> float | None:
+    """The routing model checked against measurement: the mean TTFT the gateway predicted for its
+    answers over the mean TTFT the client saw (1: the model holds; below: the fleet is slower than it
+    believes; None: no prediction, as from a peer router)."""
+    pairs = [(r.predicted_ttft_s, r.ttft_s) for r in records if r.predicted_ttft_s is not None]
+    observed = sum(seen for _, seen in pairs)
+    return sum(p for p, _ in pairs) / observed if pairs and observed > 0 else None
 
 
 def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
@@ -323,6 +336,7 @@ async def _stream_one(
             if response.status != 200:
                 raise _Failed(f"http_{response.status}")
             replica = response.headers.get(replica_header, DIRECT)
+            predicted = header_count(response.headers.get(PREDICTED_TTFT_HEADER))
             pending = b""
             while end is None and (chunk := await response.read_chunk()):
                 now = time.perf_counter()
@@ -358,6 +372,7 @@ async def _stream_one(
         cached_tokens=int(details.get("cached_tokens") or 0),
         output_tokens=int(usage.get("completion_tokens", len(chunk_times))),
         replica=replica,
+        predicted_ttft_s=predicted / 1000 if predicted is not None else None,
     )
 
 
@@ -1112,7 +1127,10 @@ def _fleet_tables(title: str, p: dict[str, Any]) -> str:
         latency = ["-" if r[key][s] is None else r[key][s] for _, key, s in _FLEET_COLUMNS]
         errors = ", ".join(f"{k}={v}" for k, v in r["errors"].items()) or "0"
         moved = "-" if r["moved_turns"] is None else r["moved_turns"]
-        rows.append([policy, *latency, r["hit_rate"], r["imbalance"], moved, r["completed"], errors])
+        predicted = "-" if r["ttft_predicted"] is None else r["ttft_predicted"]
+        rows.append(
+            [policy, *latency, r["hit_rate"], r["imbalance"], moved, predicted, r["completed"], errors]
+        )
         spread.append([policy, *(r["requests_per_replica"].get(w, 0) for w in replicas)])
     header = [
         "policy",
@@ -1120,6 +1138,7 @@ def _fleet_tables(title: str, p: dict[str, Any]) -> str:
         "hit rate",
         "imbalance",
         "moved turns",
+        "predicted/seen TTFT",
         "completed",
         "errors",
     ]

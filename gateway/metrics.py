@@ -43,6 +43,14 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.predicted_ttft = Histogram(
+            "prefixgate_gateway_predicted_time_to_first_token_seconds",
+            "The routing model's wait for the first token on the chosen replica, (queued prefill + "
+            "uncached prompt) / prefill rate: against time_to_first_token, whether the model holds",
+            ("model", "replica"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.itl = Histogram(
             "prefixgate_gateway_inter_token_seconds",
             "Gaps between streamed chunks passed through",

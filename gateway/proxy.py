@@ -53,6 +53,7 @@ from gateway.request_view import PREFIX_ROUTES, Route
 from gateway.router import Decision
 from gateway.sse_events import OutputWatch, ResponseIdScan, UsageStrip, usage_numbers
 from gateway.upstream import UpstreamError, UpstreamResponse, error_kind, header_count
+from policies.prefix_aware import prefill_wait_s
 from protocol.errors import CLIENT_GONE, ApiError
 from protocol.openai_responses import CACHED_TOKENS_HEADER, SSE_DONE, sse
 from protocol.stream_ids import STREAM_IDS_HEADER
@@ -62,6 +63,9 @@ from radix.reports import realised_blocks
 REPLICA_HEADER = "x-prefixgate-replica"
 MATCHED_BLOCKS_HEADER = "x-prefixgate-matched-blocks"
 PREDICTED_CACHED_HEADER = "x-prefixgate-predicted-cached-tokens"
+# The routing model's wait for the first token on the chosen replica (policies.prefix_aware
+# prefill_wait_s), in ms: beside the TTFT a client sees, whether the model holds on this fleet.
+PREDICTED_TTFT_HEADER = "x-prefixgate-predicted-ttft-ms"
 POLICY_HEADER = "x-prefixgate-policy"
 PREFILL_REPLICA_HEADER = "x-prefixgate-prefill-replica"
 _TAIL_BYTES = 2048
@@ -234,6 +238,7 @@ def _response_headers(upstream: Mapping[str, str], attempt: _Attempt, routed: Ro
     headers[REPLICA_HEADER] = replica.id
     headers[MATCHED_BLOCKS_HEADER] = str(view.matched_blocks)
     headers[PREDICTED_CACHED_HEADER] = str(min(view.cached_tokens, routed.decision.prompt_tokens))
+    headers[PREDICTED_TTFT_HEADER] = str(round(1000 * prefill_wait_s(routed.decision.prompt_tokens, view)))
     headers[POLICY_HEADER] = routed.decision.policy
     if attempt.leg is not None:
         headers[PREFILL_REPLICA_HEADER] = attempt.leg.prefill.id
@@ -476,7 +481,10 @@ def _learn(
 
 def _first_token(gw: Gateway, routed: Routed, attempt: _Attempt) -> None:
     ttft = time.monotonic() - routed.arrival
-    gw.metrics.child(gw.metrics.ttft, routed.model, attempt.replica.id).observe(ttft)
+    replica = attempt.replica
+    gw.metrics.child(gw.metrics.ttft, routed.model, replica.id).observe(ttft)
+    predicted = prefill_wait_s(routed.decision.prompt_tokens, routed.decision.view_of(replica.id))
+    gw.metrics.child(gw.metrics.predicted_ttft, routed.model, replica.id).observe(predicted)
     learn = gw.config.learning
     gw.replicas.started(
         attempt.replica, attempt.handle, ttft, alpha=learn.ewma_alpha, min_tokens=learn.min_prefill_tokens

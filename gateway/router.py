@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from gateway.replicas import Replica
 from policies import Policy, PrefillDecode, ReplicaView, RouteRequest
+from policies.prefix_aware import prefill_wait_s
 from radix import RadixIndex, block_hashes
 
 # A learned rate this far from the peers' median marks a replica of another speed.
@@ -52,7 +53,6 @@ class Decision:
         """Per replica: what the policy saw, and the estimated TTFT prefix_aware would compute."""
         rows = []
         for v in self.views:
-            uncached = max(self.prompt_tokens - v.cached_tokens, 0)
             rows.append(
                 {
                     "replica": v.id,
@@ -64,7 +64,7 @@ class Decision:
                     "waiting": v.waiting,
                     "queued_prefill_tokens": v.queued_prefill_tokens,
                     "prefill_rate": round(v.prefill_rate, 1),
-                    "est_ttft_s": round((v.queued_prefill_tokens + uncached) / v.prefill_rate, 6),
+                    "est_ttft_s": round(prefill_wait_s(self.prompt_tokens, v), 6),
                     "rank": self.order.index(v.id) if v.id in self.order else None,
                     "prefill_replica": self.prefill.get(v.id),
                 }

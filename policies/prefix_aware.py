@@ -34,6 +34,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from policies.view import ReplicaView, RouteRequest, healthy, rotate
 
 
+def prefill_wait_s(prompt_tokens: int, replica: ReplicaView) -> float:
+    """(Q + P - C) / mu: the model's wait for a prompt's first token on `replica`, the prefill queued
+    ahead and the prompt's uncached part at its prefill rate. What the gateway predicts for every
+    answer (x-prefixgate-predicted-ttft-ms), so that the model can be checked against the TTFT seen."""
+    uncached = max(prompt_tokens - replica.cached_tokens, 0)
+    return (replica.queued_prefill_tokens + uncached) / replica.prefill_rate
+
+
 class PrefixAwareConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # precise: the index follows workers' KV events; approximate: it predicts from routing decisions.
@@ -57,9 +65,7 @@ class PrefixAware:
         self._turn = 0
 
     def est_ttft(self, request: RouteRequest, replica: ReplicaView) -> float:
-        uncached = max(request.prompt_tokens - replica.cached_tokens, 0)
-        prefill = (replica.queued_prefill_tokens + uncached) / replica.prefill_rate
-        return prefill + self.config.decode_penalty_s * replica.running
+        return prefill_wait_s(request.prompt_tokens, replica) + self.config.decode_penalty_s * replica.running
 
     def cost(self, request: RouteRequest, replica: ReplicaView, best_cached: int) -> float:
         """est_ttft plus the weighted prefill time of the cached tokens this replica would redo."""

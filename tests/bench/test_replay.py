@@ -42,6 +42,7 @@ from bench.replay import (
     shared_prefix_arrivals,
     shared_prefix_workload,
     trace_arrivals,
+    ttft_predicted,
 )
 from bench.trace import load_trace, write_conversation_trace
 from bench.words import text_of
@@ -311,6 +312,16 @@ def test_moved_turns_count_later_turns_served_elsewhere_than_the_turn_before() -
     assert moved_turns([_record(None, 0, "w0"), _record(None, 0, "w1")]) is None  # no sessions
 
 
+def test_the_predicted_ttft_is_read_against_the_ttft_seen() -> None:
+    seen = [
+        replace(_record(0, k, "w0"), ttft_s=t, predicted_ttft_s=p)
+        for k, (t, p) in enumerate([(1, 0.5), (3, 1.5)])
+    ]
+    assert ttft_predicted(seen) == pytest.approx(0.5)
+    assert ttft_predicted([*seen, _record(0, 9, "w1")]) == pytest.approx(0.5)  # no prediction: not counted
+    assert ttft_predicted([_record(0, 0, "w0")]) is None
+
+
 def test_foreign_units_and_peers_are_checked_before_anything_starts() -> None:
     def args(*flags: str) -> object:
         parsed = build_parser().parse_args(
@@ -444,3 +455,6 @@ def test_sim_fleet_compares_the_gateway_with_a_peer_router_over_word_counting_wo
         rows["sglang cache_aware"]["mode"] == "peer" and rows["sglang cache_aware"]["capacity_blocks"] is None
     )
     assert rows["round_robin"]["moved_turns"] > 0.15  # alternating replicas: about every other turn moves
+    # The gateway's predictions come back with its answers; the peer makes none.
+    assert rows["prefix_aware approx cap absent"]["ttft_predicted"] > 0
+    assert rows["sglang cache_aware"]["ttft_predicted"] is None

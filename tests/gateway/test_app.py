@@ -44,6 +44,9 @@ def test_a_shared_prefix_goes_where_it_is_cached(fleet: tuple[RunningGateway, li
     first, h1 = chat(gateway, "Where is the history section?")
     assert first.usage.prompt_tokens > 100 and first.usage.prompt_tokens_details.cached_tokens == 0
     assert int(h1["x-prefixgate-predicted-cached-tokens"]) == 0
+    # The model's wait on an idle fleet that has learned nothing: the whole prompt at the prior rate.
+    prior = gateway.gw.config.learning.prefill_rate_prior
+    assert int(h1["x-prefixgate-predicted-ttft-ms"]) == round(1000 * first.usage.prompt_tokens / prior)
     # The KV events reach the gateway's index over HTTP; the next request sharing the system prompt
     # must follow them to the same replica and be served mostly from its cache.
     deadline = time.monotonic() + 5
@@ -56,6 +59,11 @@ def test_a_shared_prefix_goes_where_it_is_cached(fleet: tuple[RunningGateway, li
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert predicted >= 100 and cached >= predicted - 16
     assert h2["x-prefixgate-policy"] == "prefix_aware"
+    # Each answer's prediction is in the metrics beside its TTFT.
+    text = httpx.get(f"{gateway.url}/metrics").text
+    series = f'{{model="{SIM_MODEL}",replica="{h1["x-prefixgate-replica"]}"}}'
+    for name in ("time_to_first_token_seconds", "predicted_time_to_first_token_seconds"):
+        assert f"prefixgate_gateway_{name}_count{series} 2.0" in text, name
 
 
 def test_streaming_passes_every_chunk_and_usage_through(
