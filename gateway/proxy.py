@@ -303,7 +303,6 @@ async def _attempt(
     gw: Gateway, request: web.Request, routed: Routed, replica: Replica, failures: _Failures, final: bool
 ) -> web.StreamResponse:
     """One try on `replica` (and its prefill replica, when paired): its answer relayed, or _Retry."""
-    limits = gw.config.limits
     decision = routed.decision
     uncached = max(decision.prompt_tokens - decision.view_of(replica.id).cached_tokens, 0)
     recorded = routed.recorded_tick if replica.id == decision.order[0] else None
@@ -322,16 +321,7 @@ async def _attempt(
             headers[STREAM_IDS_HEADER] = "1"
         if leg is not None:
             leg.sending(payload, headers)
-        sent = gw.upstream.request(
-            routed.method,
-            replica.url,
-            routed.target,
-            payload,
-            headers,
-            connect_s=limits.connect_timeout_s,
-            read_s=limits.request_timeout_s,
-        )
-        upstream = await _guarded(leg, sent)
+        upstream = await _guarded(leg, _send(gw, routed, replica, payload, headers))
         if leg is not None:
             leg.on_head(upstream.headers)
         if upstream.status in REFUSALS and not final:
@@ -376,6 +366,22 @@ async def _attempt(
         gw.replicas.finished(replica, handle)
         if leg is not None:
             await leg.close()
+
+
+def _send(
+    gw: Gateway, routed: Routed, replica: Replica, payload: bytes, headers: Mapping[str, str]
+) -> Awaitable[UpstreamResponse]:
+    """The request to `replica` under the gateway's connect and request timeouts."""
+    limits = gw.config.limits
+    return gw.upstream.request(
+        routed.method,
+        replica.url,
+        routed.target,
+        payload,
+        headers,
+        connect_s=limits.connect_timeout_s,
+        read_s=limits.request_timeout_s,
+    )
 
 
 async def _guarded(leg: PrefillLeg | None, pending: Awaitable[T]) -> T:
@@ -678,7 +684,6 @@ async def _continue_on(
     gw: Gateway, routed: Routed, relay: _Relay, replica: Replica, body: dict[str, Any]
 ) -> bytes:
     """The stream carried on by `replica` from what the client has; its last chunk, unsent."""
-    limits = gw.config.limits
     assert relay.tap is not None and relay.how is not None
     payload = orjson.dumps(body)
     headers = _upstream_headers(gw, routed, payload)
@@ -687,15 +692,7 @@ async def _continue_on(
     handle = gw.replicas.dispatched(replica, time.monotonic(), 0)
     upstream: UpstreamResponse | None = None
     try:
-        upstream = await gw.upstream.request(
-            routed.method,
-            replica.url,
-            routed.target,
-            payload,
-            headers,
-            connect_s=limits.connect_timeout_s,
-            read_s=limits.request_timeout_s,
-        )
+        upstream = await _send(gw, routed, replica, payload, headers)
         if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith(_SSE):
             raise UpstreamError(f"http_{upstream.status}", f"answered {upstream.status} to the continuation")
         sent = relay.tap.sent

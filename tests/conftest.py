@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -40,11 +41,11 @@ def start_redis_server(port: int, workdir: Path) -> subprocess.Popen[bytes]:
         pytest.fail(str(error))
 
 
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """redis://127.0.0.1:PORT/0 of a redis-server private to this test session, with no persistence."""
+@contextmanager
+def private_redis(workdir: Path) -> Iterator[str]:
+    """redis://127.0.0.1:PORT/0 of a redis-server started for the block, stopped after it."""
     port = free_port()
-    proc = start_redis_server(port, tmp_path_factory.mktemp("redis"))
+    proc = start_redis_server(port, workdir)
     try:
         yield f"redis://127.0.0.1:{port}/0"
     finally:
@@ -53,3 +54,10 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """redis://127.0.0.1:PORT/0 of a redis-server private to this test session, with no persistence."""
+    with private_redis(tmp_path_factory.mktemp("redis")) as url:
+        yield url

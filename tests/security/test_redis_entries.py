@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ import redis
 from protocol.redis_keys import PREDICTIONS, WORKERS, kv_stream_key, load_key, worker_key
 from radix.hashing import block_hashes
 from radix.index import RadixIndex
-from tests.conftest import free_port, start_redis_server
+from tests.conftest import free_port, private_redis
 from tests.gateway.conftest import SIM_MODEL, RunningGateway, SimWorker
 
 FAST = {"heartbeat": "0.2", "load-period": "0.05"}
@@ -32,16 +31,8 @@ FAST = {"heartbeat": "0.2", "load-period": "0.05"}
 @pytest.fixture
 def redis_url(tmp_path: Path) -> Iterator[str]:
     """A redis-server of this test's own: the bad entries written here reach no other test."""
-    port = free_port()
-    proc = start_redis_server(port, tmp_path)
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with private_redis(tmp_path) as url:
+        yield url
 
 
 @pytest.fixture
