@@ -19,6 +19,11 @@ from policies import ReplicaView, Role
 from radix.index import pending_horizon
 from radix.reports import ReportedUnit
 
+# The weight of one TTFT in a replica's speed: about the last 1 / SPEED_ALPHA TTFTs count. One TTFT's
+# tokens per second swing twofold between replicas of one kind (decode steps, batching), and a rate
+# of a few of them made identical replicas look 30 % apart in most decisions (docs/benchmarks.md).
+SPEED_ALPHA = 0.02
+
 Kind = Literal["bundled", "openai"]
 Source = Literal["config", "registry", "admin"]
 
@@ -63,6 +68,10 @@ class Replica:
     prefill_rate: float
     # TTFTs the prefill rate was learned from (gateway.router pools the rates of replicas with few).
     rate_samples: int = 0
+    # The same TTFTs' prefill work and seconds, averaged over many (SPEED_ALPHA): their ratio is the
+    # replica's speed, which tells another kind of replica from noise (gateway.router.routing_rates).
+    speed_work: float = 0.0
+    speed_seconds: float = 0.0
     max_waiting: int = 256
     incarnation: str | None = None
     healthy: bool = True
@@ -79,6 +88,12 @@ class Replica:
     bootstrap_port: int | None = None
     # Its KV block in its own tokens, from the cached tokens it reports (radix.reports).
     reported: ReportedUnit = field(default_factory=ReportedUnit)
+
+    @property
+    def speed(self) -> float:
+        """Prefill tokens per second over its last ~1 / SPEED_ALPHA TTFTs, as a ratio of sums, so that a
+        short TTFT caught between two decode steps weighs as little as it lasted (0: none yet)."""
+        return self.speed_work / self.speed_seconds if self.speed_seconds > 0 else 0.0
 
     @property
     def routable(self) -> bool:
@@ -224,6 +239,8 @@ class ReplicaSet:
         if req.prefill_tokens >= min_tokens and ttft_s > 0:
             replica.prefill_rate += alpha * (work / ttft_s - replica.prefill_rate)
             replica.rate_samples += 1
+            replica.speed_work += SPEED_ALPHA * (work - replica.speed_work)
+            replica.speed_seconds += SPEED_ALPHA * (ttft_s - replica.speed_seconds)
 
     @staticmethod
     def finished(replica: Replica, handle: int) -> None:

@@ -6,12 +6,13 @@ A model served by prefill and decode replicas is routed in pairs (policies.pd), 
 the order is then of the replicas that answer, each with the prefill replica it is paired with.
 
 The prefill rates the policy weighs are pooled: each replica's is learned from its own TTFTs, which
-also hold network, scheduling and a decode step, so replicas of one speed learn rates tens of
-percent apart. Routed by them, a fleet of equal replicas sent every new prefix to whichever looked
-fastest, and one that missed the first requests kept its prior, looked slowest, and got nothing
-ever after. So a replica routes by the median of its peers' learned rates unless its own, learned
-from enough TTFTs, differs from it by more than DISTINCT_RATE: then it is another kind of replica
-(another GPU, another model size), and its own rate is what sets it apart.
+also hold network, scheduling and decode steps, so replicas of one speed learn rates tens of percent
+apart. Routed by them, a fleet of equal replicas sent every new prefix to whichever looked fastest,
+and moved conversations off the replica holding their history to one that only looked faster for a
+few TTFTs. So every replica routes by the median of its peers' learned rates (which follows the
+fleet's load quickly), scaled by its relative speed only when that is evidence of another kind of
+replica (another GPU, another model size): its speed, averaged over many TTFTs (Replica.speed),
+differs from its peers' median by more than DISTINCT_RATE after MIN_SPEED_SAMPLES of them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from radix import RadixIndex, block_hashes
 DISTINCT_RATE = 0.3
 # TTFTs a rate must be learned from before it counts.
 MIN_RATE_SAMPLES = 4
+# TTFTs a replica's speed must be learned from before it can set the replica apart: 1 / SPEED_ALPHA.
+MIN_SPEED_SAMPLES = 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,14 +128,16 @@ def reusable(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
 
 
 def routing_rates(replicas: list[Replica]) -> dict[str, float]:
-    """The prefill rate each replica is routed by: the peers' median, or its own when it is distinct."""
+    """The prefill rate each replica is routed by: the peers' median, times its relative speed where
+    that sets it apart."""
     learned = [r.prefill_rate for r in replicas if r.rate_samples >= MIN_RATE_SAMPLES]
     if not learned:
         return {r.id: r.prefill_rate for r in replicas}
     pooled = statistics.median(learned)
-    return {
-        r.id: r.prefill_rate
-        if r.rate_samples >= MIN_RATE_SAMPLES and abs(r.prefill_rate / pooled - 1) > DISTINCT_RATE
-        else pooled
-        for r in replicas
-    }
+    known = {r.id: r.speed for r in replicas if r.rate_samples >= MIN_SPEED_SAMPLES and r.speed > 0}
+    typical = statistics.median(known.values()) if known else 0.0
+    rates = {}
+    for r in replicas:
+        relative = known[r.id] / typical if r.id in known else 1.0
+        rates[r.id] = pooled * relative if abs(relative - 1) > DISTINCT_RATE else pooled
+    return rates

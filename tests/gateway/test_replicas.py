@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.replicas import LoadReport, Replica, ReplicaSet
-from gateway.router import decide, routing_rates
+from gateway.router import MIN_SPEED_SAMPLES, decide, routing_rates
 from policies import RoutingConfig, build_pd, build_policy
 from radix import RadixIndex, block_hashes
 
@@ -101,18 +101,40 @@ def test_decide_without_tokens_still_routes() -> None:
 
 def test_replicas_of_one_speed_route_by_their_pooled_rate_and_a_distinct_one_by_its_own() -> None:
     learned = {"a": 24_000.0, "b": 28_000.0, "c": 26_500.0, "fresh": 10_000.0, "slow": 9_000.0}
+    # Speeds over many TTFTs: a, b and c within sampling noise, slow a third of theirs.
+    speeds = {"a": 25_000.0, "b": 26_000.0, "c": 27_000.0, "slow": 8_700.0}
     replicas = []
     for rid, rate in learned.items():
         r = replica(rid)
-        r.prefill_rate, r.rate_samples = rate, 0 if rid == "fresh" else 10
+        r.prefill_rate, r.rate_samples = rate, 0 if rid == "fresh" else MIN_SPEED_SAMPLES
+        r.speed_work, r.speed_seconds = speeds.get(rid, 0.0), 1.0 if rid in speeds else 0.0
         replicas.append(r)
     rates = routing_rates(replicas)
     # a, b and c differ by sampling noise; fresh has no samples yet (its prior would shut it out).
     assert rates["a"] == rates["b"] == rates["c"] == rates["fresh"] == 25_250.0  # the median of four
-    assert rates["slow"] == 9_000.0, "a replica three times slower is another kind of replica"
+    assert rates["slow"] == pytest.approx(25_250.0 * 8_700.0 / 25_500.0), "three times slower: another kind"
     # Nothing learned anywhere: every replica keeps what it has.
     fresh = [replica("x"), replica("y")]
     assert routing_rates(fresh) == {"x": fresh[0].prefill_rate, "y": fresh[1].prefill_rate}
+
+
+def test_a_rate_that_only_looked_apart_for_a_few_ttfts_routes_as_its_peers() -> None:
+    """The identical replicas of a replay learned rates 30 % apart in 77 % of decisions (a rate of a
+    few TTFTs); only a speed over MIN_SPEED_SAMPLES TTFTs sets one apart."""
+    replicas = ReplicaSet()
+    peers = [replica(rid) for rid in ("a", "b", "c")]
+    for r in peers:
+        replicas.add(r)
+    # Each TTFT of its own, 2000 tokens: a and b at 1 s each, c caught behind decode steps at 3 s.
+    for _ in range(MIN_SPEED_SAMPLES - 1):
+        for r, ttft in zip(peers, (1.0, 1.0, 3.0), strict=True):
+            replicas.started(r, replicas.dispatched(r, 0.0, 2000), ttft_s=ttft, alpha=0.2, min_tokens=64)
+    assert peers[2].prefill_rate < 0.5 * peers[0].prefill_rate  # its own rate says another kind
+    assert len(set(routing_rates(peers).values())) == 1, "too few TTFTs to say so"
+    for r, ttft in zip(peers, (1.0, 1.0, 3.0), strict=True):
+        replicas.started(r, replicas.dispatched(r, 0.0, 2000), ttft_s=ttft, alpha=0.2, min_tokens=64)
+    rates = routing_rates(peers)
+    assert rates["c"] == pytest.approx(rates["a"] / 3), "persistently 3x slower: another kind"
 
 
 def test_free_blocks_are_the_report_less_what_was_placed_after_it() -> None:

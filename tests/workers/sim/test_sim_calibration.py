@@ -45,6 +45,23 @@ def run(engine: Engine, prompts: list[list[int]], sampling: SamplingParams) -> N
 
 
 def test_a_calibration_on_this_machine_predicts_the_real_engine() -> None:
+    # A wrong cost model misses on every try; a neighbour's burst of memory traffic misses on one. So
+    # the check passes when one of three measurements (each a calibration and workload interleaved)
+    # agrees, and reports every try when none does.
+    reports = []
+    for _ in range(3):
+        report = calibrated_against_measured()
+        if all(abs(predicted / measured - 1) < TOLERANCE for _, _, measured, predicted in report):
+            return
+        reports.append(report)
+    raise AssertionError(
+        "predicted step times missed the measured ones by more than "
+        f"{TOLERANCE:.0%} on every try (kind, steps, measured s, predicted s): {reports}"
+    )
+
+
+def calibrated_against_measured() -> list[tuple[str, int, float, float]]:
+    """(kind, steps, measured s, predicted s) for prefill and decode steps of the fixed workload."""
     threads = torch.get_num_threads()
     loaded = load()
     # Calibration and workload interleaved, twice over, and each side taken at its fastest: a busy
@@ -73,10 +90,7 @@ def test_a_calibration_on_this_machine_predicts_the_real_engine() -> None:
         measured = min(sum(t for (_, t), p in zip(r, prefills, strict=True) if p == wanted) for r in runs)
         predicted = sum(fitted.step_time(c) for (c, _), p in zip(steps, prefills, strict=True) if p == wanted)
         report.append((kind, prefills.count(wanted), measured, predicted))
-    for kind, n, measured, predicted in report:
-        assert abs(predicted / measured - 1) < TOLERANCE, (
-            f"{kind} steps ({n}): measured {measured:.3f} s, predicted {predicted:.3f} s; all: {report}"
-        )
+    return report
 
 
 def is_prefill(chunks: Sequence[ScheduledChunk]) -> bool:
