@@ -21,7 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from gateway.replicas import Replica
+from gateway.replicas import SPEED_ALPHA, Replica
 from policies import Policy, PrefillDecode, ReplicaView, RouteRequest
 from policies.prefix_aware import prefill_wait_s
 from radix import RadixIndex, block_hashes
@@ -30,8 +30,8 @@ from radix import RadixIndex, block_hashes
 DISTINCT_RATE = 0.3
 # TTFTs a rate must be learned from before it counts.
 MIN_RATE_SAMPLES = 4
-# TTFTs a replica's speed must be learned from before it can set the replica apart: 1 / SPEED_ALPHA.
-MIN_SPEED_SAMPLES = 50
+# TTFTs a replica's speed must be learned from before it can set the replica apart: its whole window.
+MIN_SPEED_SAMPLES = round(1 / SPEED_ALPHA)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +136,7 @@ def routing_rates(replicas: list[Replica]) -> dict[str, float]:
     pooled = statistics.median(learned)
     known = {r.id: r.speed for r in replicas if r.rate_samples >= MIN_SPEED_SAMPLES and r.speed > 0}
     typical = statistics.median(known.values()) if known else 0.0
-    rates = {}
+    rates: dict[str, float] = {}
     for r in replicas:
         relative = known[r.id] / typical if r.id in known else 1.0
         rates[r.id] = pooled * relative if abs(relative - 1) > DISTINCT_RATE else pooled
