@@ -228,8 +228,12 @@ def simulate(
                     index.correct(r.id, held.predicted, realised)
             if seq.is_finished:
                 held = r.requests.pop(seq.seq_id)
-                if precise and held.hashes is not None:
-                    index.settle(r.id, held.hashes)
+                if held.hashes is not None:
+                    if precise:
+                        index.settle(r.id, held.hashes)
+                    else:
+                        # As the gateway's Predictions.released: its blocks are the replica's most recent.
+                        index.insert(r.id, held.hashes, expires_at=now + prediction_ttl_s)
                 answered(held.session, held.turn, now)
 
     while due or busy:
@@ -360,7 +364,7 @@ def jobs_of(
     return jobs
 
 
-def _knob(text: str) -> tuple[str, float]:
+def prefix_aware_knob(text: str) -> tuple[str, float]:
     """`--prefix-aware KEY=VALUE`: a knob of policies.prefix_aware's config, checked when it is built."""
     key, sep, value = text.partition("=")
     try:
@@ -639,7 +643,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefix-aware",
-        type=_knob,
+        type=prefix_aware_knob,
         action="append",
         default=None,
         metavar="KEY=VALUE",

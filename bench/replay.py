@@ -41,7 +41,7 @@ import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,7 @@ import orjson
 import yaml
 from tqdm import tqdm
 
-from bench.fleet import INDEX_POLICIES, WORKLOADS, generated_sessions
+from bench.fleet import INDEX_POLICIES, WORKLOADS, generated_sessions, prefix_aware_knob
 from bench.local_fleet import (
     LocalFleet,
     SimWorkers,
@@ -613,13 +613,16 @@ def row_gateway_config(
     pool: tuple[int, int],
     port: int,
     text: bool = False,
+    prefix_aware: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """local_fleet's gateway config, with the workers declared as the mode says; `pool` is their
     (block size, blocks) as the gateway is told them, in its own tokens. Ids are the workers' own (w0,
     w1, ...) either way, so rows compare. `text`: the prompts come as text, which the gateway reads
     with the default tokenizer (SmolLM2's) whatever the model, as a gateway before a backend with a
-    tokenizer of its own would."""
+    tokenizer of its own would. `prefix_aware`: knobs of that policy's config (--prefix-aware)."""
     config = gateway_config(model, worker_urls, policy, port)
+    if prefix_aware:
+        config["routing"]["prefix_aware"] = dict(prefix_aware)
     if text:
         config["models"] = {model: {"tokenizer": "default"}}
     if mode.precise:
@@ -697,6 +700,7 @@ def row_fleet(
     mode: Mode,
     pool: tuple[int, int],
     text: bool = False,
+    prefix_aware: Mapping[str, float] | None = None,
 ) -> Iterator[str]:
     """Fresh workers (empty caches) and a gateway over them with the row's policy and mode, all ready;
     yields the gateway's URL and stops everything on the way out."""
@@ -705,7 +709,8 @@ def row_fleet(
         config = workdir / "gateway.yaml"
         urls = [w.url for w in fleet.workers]
         model = workers.spec.model
-        config.write_text(yaml.safe_dump(row_gateway_config(model, urls, policy, mode, pool, port, text)))
+        gateway = row_gateway_config(model, urls, policy, mode, pool, port, text, prefix_aware)
+        config.write_text(yaml.safe_dump(gateway))
         command = cli("serve", "--config", str(config), "--log-level", "WARNING")
         fleet.gateway = spawn("gateway", command, f"http://127.0.0.1:{port}", workdir)
         try:
@@ -898,6 +903,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rows run at once, each on its own workers and gateway (the CPU they need is small)",
     )
     fleet.add_argument("--sim-profile", default=FLEET_PROFILE, help="the workers' profile")
+    fleet.add_argument(
+        "--prefix-aware",
+        type=prefix_aware_knob,
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="a prefix_aware knob for every gateway row (e.g. recompute_penalty=2), repeatable",
+    )
     fleet.add_argument("--block-size", type=int, default=FLEET_BLOCK_SIZE, help="the workers' KV block size")
     fleet.add_argument(
         "--num-blocks",
@@ -1042,7 +1055,8 @@ def _run_fleet(
     def serve(fleets: contextlib.ExitStack, workdir: Path, row: Row | PeerRow) -> str:
         if isinstance(row, PeerRow):
             return fleets.enter_context(peer_fleet(workdir, workers, row.router))
-        return fleets.enter_context(row_fleet(workdir, workers, row.policy, row.mode, pool, args.text))
+        knobs = dict(args.prefix_aware or ())
+        return fleets.enter_context(row_fleet(workdir, workers, row.policy, row.mode, pool, args.text, knobs))
 
     async def wave_replays(urls: list[str], first: int) -> list[ReplayResult]:
         return await asyncio.gather(
@@ -1095,6 +1109,7 @@ def _run_fleet(
         "speed": args.speed,
         "text": args.text,
         "sim_fleet": {**dataclasses.asdict(spec), "model": spec.model, "unit": unit},
+        "prefix_aware": dict(args.prefix_aware or ()),
         "policies": rows,
     }
     counted = {"tokens": "", "words": " words", "blocks64": " tokens"}[unit]
@@ -1104,6 +1119,8 @@ def _run_fleet(
     )
     if args.text:
         title += ", text prompts"
+    if args.prefix_aware:
+        title += ", prefix_aware " + " ".join(f"{k}={v:g}" for k, v in args.prefix_aware)
     print(_fleet_tables(title, payload))
     if args.json:
         write_json(args.json, payload)

@@ -1,10 +1,10 @@
-"""Approximate mode (DESIGN §4): predicted cache entries for backends that publish no KV events.
+"""Approximate mode (docs/design.md §4): predicted cache entries for backends that publish no KV events.
 
 A foreign backend (vLLM, SGLang) tells nobody what it caches, so the gateway assumes that a replica
 holds a request's prefix for `ttl_s` after it routed the request there, and lets the replica's
 capacity bound in the index (LRU) stand in for evictions. With several gateways each would only know
 its own decisions, so each one also publishes them to the Redis stream `prefixgate:predictions`
-(workers.redis_keys) and inserts the others' with the same absolute expiry: all of them then predict
+(protocol.redis_keys) and inserts the others' with the same absolute expiry: all of them then predict
 the same cache. Expiry times are Unix seconds, comparable across gateways as far as their clocks agree.
 
 Publishing never delays a request: `record` only queues, and a background task writes in batches.
@@ -163,6 +163,12 @@ class Predictions:
         self._publish_later(
             expires_at, {"replica": replica_id, "expires_at": repr(expires_at), "hashes": json.dumps(hashes)}
         )
+
+    def released(self, replica_id: str, hashes: Sequence[int]) -> None:
+        """A request with these block hashes ended on `replica_id`: an engine's cache orders blocks by
+        when their sequence let go of them, so they are touched again here (not shared: each gateway
+        sees its own requests end)."""
+        self.index.insert(replica_id, hashes, expires_at=self.clock() + self.ttl_s)
 
     def learn(self, replica_id: str, predicted: Predicted, realised: int) -> None:
         """The replica reused the first `realised` blocks of a request `predicted` there (taken before

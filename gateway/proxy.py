@@ -1,4 +1,4 @@
-"""Forward one routed request and relay the answer (DESIGN §2 step 6).
+"""Forward one routed request and relay the answer (docs/design.md §2 step 6).
 
 What a client sent goes upstream as it came: the body byte for byte (a bundled worker's chat or
 completion body gains only the token ids the gateway computed), the client's end-to-end headers with
@@ -448,6 +448,9 @@ def _account(
     if cached is not None:
         m.child(m.realised_cached, routed.model, replica.id).inc(cached)
         _learn(gw, routed, replica, reported_prompt, cached, paired=attempt.leg is not None)
+    hashes = routed.decision.hashes.get(replica.block_size)
+    if routed.route in PREFIX_ROUTES and hashes and not gw.precise(replica):
+        gw.predictions.released(replica.id, hashes)
 
 
 def _learn(

@@ -12,11 +12,12 @@ Predicted entries can expire; exact entries (from KV events) live until removed.
 
 A predicted replica's capacity is learned (`correct`) from what the replica reports it reused, so a
 configured capacity is only a prior, in whatever unit it was given, or none at all. The model is the
-replica's own LRU: a block it lacked was evicted, and so was every block used before it, so those go
-and the capacity is at most what is left (the median of the latest few such bounds, which err both
-ways); a block it held that the capacity bound had dropped (a
-"ghost", remembered as ARC remembers them) says that it holds at least what the bound kept plus
-every block the bound dropped since that one.
+replica's own LRU, in which a block's use is when a sequence lets go of it (the gateway touches a
+request's blocks when it is sent and again when it ends): a block it lacked was evicted, and so was
+every block used before it, so those go and the capacity is at most what is left (the median of the
+latest few such bounds, which err both ways); a block it held that the capacity bound had dropped (a
+"ghost", remembered as ARC remembers them) says that it holds at least what the bound kept plus every
+block the bound dropped since that one.
 """
 
 from __future__ import annotations

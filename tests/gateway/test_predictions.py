@@ -106,3 +106,26 @@ def test_predictions_expire_by_the_sweep_and_need_no_redis() -> None:
         await predictions.close()
 
     asyncio.run(main())
+
+
+def test_a_request_that_ends_last_is_what_a_full_replica_keeps_whenever_it_was_sent() -> None:
+    """An engine's cache orders blocks by when their sequence let go of them: a long answer sent first
+    and ended last keeps its prompt past a short one sent after it, and the index must say the same
+    (else a correction or a capacity bound drops the history a conversation comes back to)."""
+    now = [1000.0]
+    index = RadixIndex()
+    index.add_replica("r1", learn=True)
+    predictions = Predictions(index, ttl_s=TTL_S, clock=lambda: now[0])
+    long_answer, short_answer = [1, 2, 3], [4, 5, 6]
+    predictions.record("r1", long_answer)
+    predictions.record("r1", short_answer)
+    now[0] += 1.0
+    predictions.released("r1", short_answer)
+    now[0] += 1.0
+    predictions.released("r1", long_answer)
+    index.set_capacity("r1", 3)
+    assert holds_all(index, "r1", long_answer)
+    assert not any(index.holds("r1", h) for h in short_answer)
+    # Touched, not predicted anew: the expiry runs from the end, and nothing more was recorded.
+    assert predictions.stats.recorded == 2
+    assert index.expire(now[0] + TTL_S - 0.5) == 0
