@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TRACE ?= ../shared/traces/mooncake/conversation_trace.jsonl
 OUT ?= out
 
-.PHONY: demo test lint bench-radix bench-fleet bench-pd bench-ep bench-vllm vllm-env redis-server prometheus-server clean
+.PHONY: demo test test-fast lint bench-radix bench-fleet bench-pd bench-ep bench-vllm vllm-env redis-server prometheus-server clean
 
 # The torch pin comes first: it is the CPU build on this machine's disk, and installing it before
 # the project keeps any dependency from pulling a multi-GB CUDA build.
@@ -40,6 +40,10 @@ prometheus-server:
 test: $(VENV)/.installed vllm-env redis-server prometheus-server
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
+
+# The unit tier (tests/conftest.py TIERS): no servers, no processes, no model weights, no fuzzing.
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not fleet and not real and not deploy and not fuzz"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -27,7 +27,7 @@ class TraceRequest:
 
     @property
     def full_blocks(self) -> tuple[int, ...]:
-        """The cacheable blocks: a partial trailing block is never cached (DESIGN §3)."""
+        """The cacheable blocks: a partial trailing block is never cached (docs/design.md §3)."""
         return self.hash_ids[: self.input_length // MOONCAKE_BLOCK_TOKENS]
 
 

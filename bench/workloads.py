@@ -1,4 +1,4 @@
-"""Generated workloads of the shapes DESIGN §7 names, as sessions both load drivers replay.
+"""Generated workloads of the shapes docs/design.md §7 names, as sessions both load drivers replay.
 
 A workload is a list of sessions. A session's first turn is due at its start; each later turn is
 sent its think time after the previous turn's answer has ended: closed loop within a session (an
@@ -17,7 +17,7 @@ keyed by (seed, purpose, index) so that more tenants, sessions or groups leave t
 as they were.
 
 The named workloads (`--workload` of both benches) are split in two: TUNED, the shapes a policy is
-designed and tuned against, and HELD_OUT, shapes it is only checked on (DESIGN §7: tune for the
+designed and tuned against, and HELD_OUT, shapes it is only checked on (docs/design.md §7: tune for the
 shape, not for one workload). `longmix` is in neither: it is disaggregation's workload, not routing's.
 """
 

@@ -1,6 +1,6 @@
 """The gateway's HTTP surface: the OpenAI API in front, admin and debug routes behind a token.
 
-In front of its replicas the gateway is transparent (DESIGN §2): it judges only what is its own to
+In front of its replicas the gateway is transparent (docs/design.md §2): it judges only what is its own to
 judge — a body that is not JSON where a route needs one, a body too big, a model no replica serves,
 auth, its own in-flight limit — and forwards everything else as the client sent it, every OpenAI
 field and vendor extension included, to be judged by the replica that serves it. Chat, completion and

@@ -1,4 +1,4 @@
-"""The gateway's YAML configuration (DESIGN §5), validated up front with errors that name the key.
+"""The gateway's YAML configuration (docs/design.md §5), validated up front with errors that name the key.
 
 Secrets never live in the file: it names the environment variables that hold the API keys and the
 admin token, so the same YAML serves every environment and a reload (SIGHUP) picks up rotated keys.
@@ -131,7 +131,8 @@ class ReplicaEntry(_Section):
 
 
 class ModelEntry(_Section):
-    # "default": SmolLM2's tokenizer (DESIGN §6); a HF folder path; or "none" (token-id prompts only).
+    # "default": SmolLM2's tokenizer (docs/design.md §6); a HF folder path; or "none" (token-id prompts
+    # only).
     tokenizer: str = "default"
     # How a foreign backend of this model continues a stream another replica lost mid-answer
     # (gateway.migration): "none" (the client gets an error event), "completions" (completions with a

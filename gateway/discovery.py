@@ -1,4 +1,4 @@
-"""What a replica is and how loaded it is, asked over HTTP or read from Redis (DESIGN §4).
+"""What a replica is and how loaded it is, asked over HTTP or read from Redis (docs/design.md §4).
 
 A bundled worker's /health names its id, model, block size, pool, incarnation and role; a foreign
 OpenAI server only lists its models, so the rest comes from the YAML entry. These functions do the I/O
@@ -239,7 +239,7 @@ class Registered:
 
 
 async def read_registry(redis: Redis, rejections: Rejections | None = None) -> list[Registered]:
-    """Every live worker in the Redis registry with its last load report (DESIGN §4).
+    """Every live worker in the Redis registry with its last load report (docs/design.md §4).
 
     A set member whose hash expired is a worker that died without deregistering: skipped. An entry
     that fails validation is skipped and counted; a load key that fails leaves its worker without a

@@ -1,4 +1,5 @@
-"""Body fields that are the gateway's alone: how it pairs replicas and moves KV between them (DESIGN §4).
+"""Body fields that are the gateway's alone: how it pairs replicas and moves KV between them
+(docs/design.md §4).
 
 A client that could set them would steer a worker: name the URL a decode worker pulls from (a request
 to any host, its answer read back, and KV blocks of the client's making cached for every tenant), or

@@ -1,4 +1,5 @@
-"""Keeps the gateway's RadixIndex exact for its bundled workers by replaying their KV events (DESIGN §4).
+"""Keeps the gateway's RadixIndex exact for its bundled workers by replaying their KV events
+(docs/design.md §4).
 
 One follower task per replica applies the worker's event batches in sequence order, read either from
 Redis (the stream `prefixgate:kv:{id}`, shared by every gateway) or, in the embedded mode without
@@ -80,7 +81,7 @@ Incarnation = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_INCARNATI
 
 
 def checked_hashes(hashes: list[int], parent: int | None = None) -> None:
-    """ValueError unless every hash (and the parent) fits in 64 bits (DESIGN §3); the lower bound is
+    """ValueError unless every hash (and the parent) fits in 64 bits (docs/design.md §3); the lower bound is
     the decoder's."""
     if (hashes and max(hashes) > HASH_MAX) or (parent is not None and parent > HASH_MAX):
         raise ValueError("a block hash is not an unsigned 64-bit integer")

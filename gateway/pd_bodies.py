@@ -1,4 +1,5 @@
-"""What a paired attempt adds to the bodies it sends, per protocol (DESIGN §4). Pure: bodies in, bodies out.
+"""What a paired attempt adds to the bodies it sends, per protocol (docs/design.md §4). Pure: bodies in,
+bodies out.
 
 Everything else in the client's body passes through untouched: a foreign fleet's replicas judge it. (The
 fields named here are the gateway's alone: what a client sent of them never goes upstream, see

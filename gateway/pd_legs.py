@@ -1,5 +1,5 @@
-"""The prefill side of a paired attempt (DESIGN §4): what each protocol sends the prefill replica and adds
-to the decode replica's request, and the prefill replica's share of the gateway's accounting.
+"""The prefill side of a paired attempt (docs/design.md §4): what each protocol sends the prefill replica
+and adds to the decode replica's request, and the prefill replica's share of the gateway's accounting.
 
 One client request, one answer: the decode replica's, relayed by gateway.proxy like any other. The
 prefill replica's work is in flight from the attempt's start to the decode replica's first output (or

@@ -230,7 +230,7 @@ class ReplicaSet:
         return handle
 
     def started(self, replica: Replica, handle: int, ttft_s: float, *, alpha: float, min_tokens: int) -> None:
-        """The first token arrived: learn the prefill rate from how long that took (DESIGN §5)."""
+        """The first token arrived: learn the prefill rate from how long that took (docs/design.md §5)."""
         req = replica.inflight.get(handle)
         if req is None or req.started:
             return

@@ -1,4 +1,4 @@
-"""What the gateway reads of a request to route it — and nothing more (DESIGN §2 step 2).
+"""What the gateway reads of a request to route it — and nothing more (docs/design.md §2 step 2).
 
 In front of any OpenAI-compatible server the gateway is transparent: the body goes upstream byte for
 byte and the backend judges it. Routing still needs the prompt's tokens, so this reads, leniently,

@@ -1,4 +1,4 @@
-"""One routing decision (DESIGN §2 steps 3-5): hash the prompt, match the index, ask the policy.
+"""One routing decision (docs/design.md §2 steps 3-5): hash the prompt, match the index, ask the policy.
 
 Pure: the prompt's token ids in, an ordered choice and its explanation out. Hashes are computed once
 per distinct block size among the model's replicas, since a hash chain depends on the block size.

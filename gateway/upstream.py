@@ -1,4 +1,4 @@
-"""The gateway's HTTP/1.1 client for the forward path (DESIGN §2 step 6).
+"""The gateway's HTTP/1.1 client for the forward path (docs/design.md §2 step 6).
 
 Every routed request crosses it twice (request out, answer back), so it does only what a reverse
 proxy needs: keep-alive connections per replica, the request head and body in one write, the answer

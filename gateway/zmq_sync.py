@@ -1,9 +1,9 @@
 """Keeps the gateway's RadixIndex exact for replicas that publish vLLM-format KV events over ZMQ
-(DESIGN §4): vLLM and SGLang started with their KV-events config, or bundled workers started with
+(docs/design.md §4): vLLM and SGLang started with their KV-events config, or bundled workers started with
 `--kv-events-zmq`. The wire format is protocol.vllm_kv_events'.
 
 Hashes. A backend's block hashes are its own (vLLM's depend on its hash function and seed, SGLang's
-are not even chained), so every stored block is re-hashed from its token ids with DESIGN §3, chained
+are not even chained), so every stored block is re-hashed from its token ids with docs/design.md §3, chained
 from the replica's model root, and each replica keeps the map from the backend's hashes to ours.
 A `BlockStored` whose parent is None starts at the root; one whose parent the map does not hold
 cannot be placed — its chain began before what this follower saw (or in blocks it does not route on)

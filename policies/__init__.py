@@ -1,4 +1,4 @@
-"""Pure routing policies (DESIGN §5), each a choice over a read-only view of the replicas."""
+"""Pure routing policies (docs/design.md §5), each a choice over a read-only view of the replicas."""
 
 from policies.config import ConfigError, PolicyName, RoutingConfig, build_pd, build_policy, parse_routing
 from policies.pd import Pair, PdConfig, PrefillDecode

@@ -1,5 +1,5 @@
 """The cache-threshold router: the common peer design (SGLang's cache-aware router), kept as the
-baseline prefix_aware is measured against (DESIGN §7).
+baseline prefix_aware is measured against (docs/design.md §7).
 
 Three rules, the first that applies decides:
 

@@ -1,4 +1,5 @@
-"""Prefill/decode pairing (DESIGN §4, §5): routing for a model served by a prefill pool and a decode pool.
+"""Prefill/decode pairing (docs/design.md §4, §5): routing for a model served by a prefill pool and a
+decode pool.
 
 Each request goes to a pair: a decode replica that answers the client, and the prefill replica that
 computes its prompt and sends the KV over, or none when the decode replica computes the prompt itself.

@@ -1,5 +1,5 @@
 """Prefix-aware routing: send each request where it starts soonest, counting what a move costs the fleet
-(DESIGN §5). The whole model:
+(docs/design.md §5). The whole model:
 
     ttft(r) = (Q(r) + P - C(r)) / mu(r) + decode_penalty_s * running(r)
     cost(r) = ttft(r) + recompute_penalty * (C* - C(r)) / mu(r)

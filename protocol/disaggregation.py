@@ -1,5 +1,5 @@
-"""Prefill/decode disaggregation as the gateway and the bundled workers speak it (DESIGN §4), named once
-so that the two sides cannot drift apart.
+"""Prefill/decode disaggregation as the gateway and the bundled workers speak it (docs/design.md §4),
+named once so that the two sides cannot drift apart.
 
 - Roles: a "mixed" replica computes and decodes its own prompts; a "prefill" one computes prompts for
   decode replicas and answers no client; a "decode" one answers clients, its prompts computed by a

@@ -1,4 +1,4 @@
-"""The KV-event wire format (DESIGN §4): what a worker's log publishes and a gateway's index replays.
+"""The KV-event wire format (docs/design.md §4): what a worker's log publishes and a gateway's index replays.
 
 A batch (JSON): `{"incarnation": str, "seq": int, "events": [event, ...]}`, where an event is
 `{"type": "stored", "hashes": [h, ...], "parent": h | null}` (hashes in prefix order; a null parent

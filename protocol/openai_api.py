@@ -1,9 +1,9 @@
-"""The OpenAI request bodies a bundled worker accepts, validated at its edge (DESIGN §4).
+"""The OpenAI request bodies a bundled worker accepts, validated at its edge (docs/design.md §4).
 
 Pure: no I/O and no engine. Every way a body can be wrong becomes an `ApiError` with a 4xx status
 and OpenAI's error shape here, so that nothing malformed ever reaches the engine thread (where a bad
 token id would fail every request in the batch, not just its own). The gateway does not apply these
-checks to what it forwards (it passes bodies through, DESIGN §2); it reads the same messages with
+checks to what it forwards (it passes bodies through, docs/design.md §2); it reads the same messages with
 `chat_messages` when it renders a prompt for routing, so a valid body becomes the same prompt on both
 sides.
 

@@ -1,4 +1,4 @@
-"""The OpenAI response bodies and SSE chunks a bundled worker sends (DESIGN §4).
+"""The OpenAI response bodies and SSE chunks a bundled worker sends (docs/design.md §4).
 
 Pure: the engine's deltas in, JSON out. The gateway relays these bytes unparsed; it reads only the
 cached-token count (CACHED_TOKENS_HEADER, or the usage object).

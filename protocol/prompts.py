@@ -1,5 +1,5 @@
 """A request's prompt as token ids: the chat template where it can render the conversation, a canonical
-serialization where it cannot (DESIGN §2 step 2).
+serialization where it cannot (docs/design.md §2 step 2).
 
 The gateway hashes these ids to route, and attaches them to what it forwards to a bundled worker;
 the worker computes the same ids when a client calls it directly. A conversation the template refuses

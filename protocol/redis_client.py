@@ -1,4 +1,4 @@
-"""The Redis client both sides use for shared state (DESIGN §4; key names in protocol.redis_keys)."""
+"""The Redis client both sides use for shared state (docs/design.md §4; key names in protocol.redis_keys)."""
 
 from __future__ import annotations
 

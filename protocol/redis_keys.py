@@ -1,5 +1,5 @@
-"""The Redis key names and value formats of the fleet's shared state (DESIGN §4), in one place so that
-the workers that write them and the gateways that read them cannot drift apart.
+"""The Redis key names and value formats of the fleet's shared state (docs/design.md §4), in one place so
+that the workers that write them and the gateways that read them cannot drift apart.
 
 - `prefixgate:workers` (set): ids of workers that registered. Members never expire, so a reader must
   check that the worker's hash still exists (a crashed worker leaves its id behind).
@@ -9,7 +9,7 @@ the workers that write them and the gateways that read them cannot drift apart.
   `incarnation` changes at every worker start: a reader holding another one must resync.
 - `prefixgate:kv:{id}` (stream, trimmed to about the configured length): one entry per KV event batch,
   fields `incarnation`, `seq` (decimal) and `events` (the batch's events as a JSON list, the wire
-  format of workers.kv_events). Delivery is at least once and may have holes: a reader skips entries
+  format of protocol.kv_events). Delivery is at least once and may have holes: a reader skips entries
   whose seq it already applied, and on a hole (the stream was trimmed, Redis restarted, or the worker
   could not reach Redis for longer than its event ring lasts) resyncs from the worker's /kv/snapshot.
 - `prefixgate:load:{id}` (string, short expiry): JSON `{"running", "waiting", "queued_prefill_tokens",

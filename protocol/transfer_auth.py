@@ -1,5 +1,5 @@
-"""Worker-to-worker KV transfers, authenticated (DESIGN §4): the secret a gateway and its bundled workers
-share, and the HMACs each hop of a transfer carries, over what that hop authorises.
+"""Worker-to-worker KV transfers, authenticated (docs/design.md §4): the secret a gateway and its bundled
+workers share, and the HMACs each hop of a transfer carries, over what that hop authorises.
 
 - grant (gateway -> decode worker, inside PREFILL_FIELD): pull transfer `transfer` from the prefill
   worker at `url`, before `expires`. Only a gateway holding the secret makes one, and it strips any

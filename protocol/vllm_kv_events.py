@@ -1,4 +1,4 @@
-"""vLLM's KV-event wire format (DESIGN §4): what vLLM and SGLang publish over ZMQ, and what the
+"""vLLM's KV-event wire format (docs/design.md §4): what vLLM and SGLang publish over ZMQ, and what the
 bundled worker publishes too (workers/zmq_publisher.py) so that one consumer serves every fleet.
 
 Read in vLLM's `vllm/distributed/kv_events.py` (commit b4e69e0a, about v0.9.0, and commit 0181ea31,
@@ -45,7 +45,7 @@ from typing import Annotated, Any
 import msgspec
 
 BlockHash = int | bytes
-# Token ids are packed as uint32 for hashing (DESIGN §3): anything else is refused when decoded.
+# Token ids are packed as uint32 for hashing (docs/design.md §3): anything else is refused when decoded.
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
 MEDIUM_GPU = "GPU"
 SEQ_BYTES = 8

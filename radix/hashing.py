@@ -1,4 +1,4 @@
-"""Chained token-block hashes (DESIGN §3): the one function the gateway and the workers share.
+"""Chained token-block hashes (docs/design.md §3): the one function the gateway and the workers share.
 
 A block's hash names the whole prefix up to and including it, so two replicas that hold the same
 hash hold the same prefix, and the index never needs the parent chain to compare prefixes.

@@ -1,4 +1,6 @@
-"""Shared fixtures: a real redis-server on a free loopback port, started and stopped by the tests."""
+"""Shared fixtures (a real redis-server on a free loopback port, started and stopped by the tests) and
+the test tiers: unit tests by default, and markers for the slower kinds, which `make test-fast` leaves
+out and `make test` runs (CONTRIBUTING.md)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,42 @@ import pytest
 from bench.local_fleet import free_port, start_redis
 
 __all__ = ["free_port", "start_redis_server"]
+
+TIERS = {
+    "fleet": "starts servers or processes and talks to them over loopback (HTTP, Redis, ZMQ)",
+    "real": "runs the real SmolLM2 model or a real vLLM server",
+    "deploy": "Docker images, Kubernetes manifests, Envoy or Prometheus",
+    "fuzz": "generated inputs by the hundred: schema and property fuzzing",
+}
+# Fixtures that start a server or a process: a test that asks for one is in the fleet tier whatever
+# its module says, so that a new test cannot land in the fast loop by forgetting a marker.
+SERVER_FIXTURES = frozenset(
+    {"redis_url", "start_sim_worker", "start_gateway", "recording_backend", "fleet", "serve", "make_worker",
+     "tiny_worker"}
+)  # fmt: skip
+# Fixtures that load the real model: the real tier.
+MODEL_FIXTURES = frozenset({"smollm2_worker"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, what in TIERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+# Folders whose every test is of one tier: faults are provoked in running fleets, deployments built.
+FOLDER_TIERS = {"faults": "fleet", "deploy": "deploy"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = item.path.relative_to(Path(__file__).parent).parts[0]
+        if folder in FOLDER_TIERS:
+            item.add_marker(FOLDER_TIERS[folder])
+        fixtures = getattr(item, "fixturenames", ())
+        if MODEL_FIXTURES.intersection(fixtures):
+            item.add_marker(pytest.mark.real)
+        elif SERVER_FIXTURES.intersection(fixtures):
+            item.add_marker(pytest.mark.fleet)
 
 
 def interpret_triton_without_a_gpu() -> None:

@@ -1,5 +1,5 @@
-"""The package layout of DESIGN §1, as imports: the protocol both sides speak depends on neither side,
-the gateway on no worker code, the workers on no gateway code, and the pure layers on no I/O stack."""
+"""The package layout of docs/design.md §1, as imports: the protocol both sides speak depends on neither
+side, the gateway on no worker code, the workers on no gateway code, and the pure layers on no I/O stack."""
 
 from __future__ import annotations
 

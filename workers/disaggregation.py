@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation between our workers (DESIGN §4): both ends of moving a prompt's KV.
+"""Prefill/decode disaggregation between our workers (docs/design.md §4): both ends of moving a prompt's KV.
 
 The decode worker drives it. Given a request that names a prefill worker (the gateway's
 `prefixgate_prefill` field), it reserves room for the prompt's reusable blocks it lacks

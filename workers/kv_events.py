@@ -1,4 +1,4 @@
-"""KV events (DESIGN §4): the block manager's callbacks as numbered batches that an index can replay.
+"""KV events (docs/design.md §4): the block manager's callbacks as numbered batches that an index can replay.
 
 The callbacks fire on the engine thread in the middle of a step, so they only append to a pending
 list under a lock; whoever serves readers seals that list into the next numbered batch. The log keeps

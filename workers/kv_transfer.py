@@ -1,4 +1,4 @@
-"""Moving a prompt's KV blocks from a prefill worker to a decode worker (DESIGN §4, disaggregation).
+"""Moving a prompt's KV blocks from a prefill worker to a decode worker (docs/design.md §4, disaggregation).
 
 A protocol of our own over one TCP connection (asyncio streams) per transfer, pushed by the sender:
 

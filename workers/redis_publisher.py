@@ -1,4 +1,4 @@
-"""Publishes a worker to Redis (DESIGN §4 "Shared state in Redis"): its registry entry with a
+"""Publishes a worker to Redis (docs/design.md §4 "Shared state in Redis"): its registry entry with a
 heartbeat, its KV event batches on a stream, and its load; key names in protocol.redis_keys.
 
 Redis is a side channel, never a dependency of serving: every write runs in a background task that

@@ -1,4 +1,4 @@
-"""The worker's HTTP server (DESIGN §4): OpenAI endpoints over an engine front, plus health, load,
+"""The worker's HTTP server (docs/design.md §4): OpenAI endpoints over an engine front, plus health, load,
 Prometheus metrics and the KV event feed.
 
 The app is built from a `Worker` (an engine front, its tokenizer, what it announces, its KV event

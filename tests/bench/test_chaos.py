@@ -11,6 +11,8 @@ import pytest
 from bench.chaos import SCENARIOS
 from gateway.cli import main
 
+pytestmark = pytest.mark.fleet
+
 
 @pytest.mark.timeout(120)
 def test_cli_runs_a_scenario_and_reports_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,8 @@ from protocol.models import default_gguf_path
 from tests.workers.conftest import tiny_llama_config
 from workers.engine.loader import convert_gguf
 
+pytestmark = pytest.mark.real
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_it_refuses_clearly_without_a_cuda_device() -> None:

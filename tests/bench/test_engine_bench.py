@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from gateway.cli import main
+
+pytestmark = pytest.mark.real
 
 
 def test_engine_bench_reports_all_systems(tmp_path: Path) -> None:

@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from gateway.cli import main
+
+pytestmark = pytest.mark.fleet
 
 
 def test_the_benchmark_reports_imbalance_for_a_skewed_gate(tmp_path: Path) -> None:

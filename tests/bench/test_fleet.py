@@ -17,6 +17,8 @@ from policies import RoutingConfig
 from radix import block_hashes
 from workers.sim.profiles import get_profile
 
+pytestmark = pytest.mark.fleet
+
 PROFILE = get_profile("h100-8b")
 
 

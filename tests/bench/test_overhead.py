@@ -13,6 +13,8 @@ import pytest
 from bench.overhead import CONCURRENCY, TARGETS, histogram_quantile
 from gateway.cli import main
 
+pytestmark = pytest.mark.fleet
+
 
 def test_cli_measures_both_paths_and_the_capacity(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"

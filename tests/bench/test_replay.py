@@ -59,6 +59,8 @@ from workers.sim.engine import SimEngine
 from workers.sim.profiles import get_profile, profile_to_json
 from workers.sim.runner import RealClock
 
+pytestmark = pytest.mark.fleet
+
 # An H100-class cost model (a step of a few ms) with small blocks, so that short system prompts cache.
 PROFILE = replace(get_profile("h100-8b"), block_size=16, kv_capacity_tokens=16 * 2048)
 

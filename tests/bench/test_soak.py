@@ -11,6 +11,8 @@ import pytest
 from bench.soak import Sample, gateway_summary, read_metrics, rss_mib, verdict
 from gateway.cli import main
 
+pytestmark = pytest.mark.fleet
+
 
 def test_cli_soaks_two_gateways_without_errors(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"

@@ -197,6 +197,7 @@ def _tenant(session: Session) -> int:
     return int(session.key.split("-")[0].removeprefix("tenant"))
 
 
+@pytest.mark.fuzz
 def test_zipf_tenants_follow_the_law_and_keep_the_sessions_contents() -> None:
     params = replace(AGENT_WORKLOADS["agent-zipf"], sessions=4000)
     sessions = agent_sessions(params)

@@ -335,6 +335,7 @@ def test_a_prompt_in_flight_draws_the_requests_that_share_it(
     # Once both ended the index holds what the events confirmed, nothing more.
     again = complete([*shared, 7, 8, 9])
     assert again.headers["x-prefixgate-replica"] == first.result().headers["x-prefixgate-replica"]
-    assert int(again.headers["x-prefixgate-predicted-cached-tokens"]) == again.json()["usage"][
-        "prompt_tokens_details"
-    ]["cached_tokens"]
+    assert (
+        int(again.headers["x-prefixgate-predicted-cached-tokens"])
+        == again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    )

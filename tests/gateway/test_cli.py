@@ -103,6 +103,7 @@ def test_serve_refuses_a_bad_config_with_the_key_named(tmp_path: Path) -> None:
     assert "gateway.listen.port" in done.stderr and "gateway.routng: unknown key" in done.stderr
 
 
+@pytest.mark.real
 def test_up_starts_the_local_fleet_and_shows_a_cache_hit() -> None:
     """The main job, as `make demo` runs it: two SmolLM2 workers, the gateway, the openai client.
     Ports 0: `up` binds every socket itself before starting anything, on ports the OS picks."""
@@ -121,6 +122,7 @@ def test_up_starts_the_local_fleet_and_shows_a_cache_hit() -> None:
     assert " 0 of " in first and " 0 of " not in second
 
 
+@pytest.mark.real
 def test_ctrl_c_stops_the_fleet_cleanly() -> None:
     """Ctrl-C as a terminal sends it, to the whole foreground process group: `up` stops the gateway,
     then each worker once; nothing prints a traceback or a failed replica, and the workers' ports close."""
@@ -149,6 +151,7 @@ def test_ctrl_c_stops_the_fleet_cleanly() -> None:
         httpx.get(f"{worker_url}/health", timeout=2)
 
 
+@pytest.mark.real
 def test_up_with_a_prefill_worker_moves_the_prompt_to_the_decode_worker() -> None:
     """`up --prefill 1`: worker-0 computes prompts, worker-1 decodes them with the KV moved over."""
     done = subprocess.run(

@@ -25,6 +25,8 @@ from schemathesis import GenerationMode
 from gateway.openapi import OPENAPI
 from tests.gateway.conftest import SIM_MODEL, RunningGateway, SimWorker, assert_openai_error
 
+pytestmark = pytest.mark.fuzz
+
 # Requests that reach a worker generate at most this many tokens.
 MAX_TOKENS = 4
 # Any answer slower than this is a hang.

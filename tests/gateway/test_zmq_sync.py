@@ -1,4 +1,4 @@
-"""Precise mode over ZMQ: the index follows vLLM-format KV events, re-hashed with DESIGN §3.
+"""Precise mode over ZMQ: the index follows vLLM-format KV events, re-hashed with docs/design.md §3.
 
 Against a publisher written in the test (a PUB and a ROUTER sending vLLM-format bytes built by
 hand), against bundled workers publishing with --kv-events-zmq in-process (with a test-only
@@ -45,7 +45,7 @@ FAST = {"replay_timeout_s": 0.5, "idle_check_s": 0.3, "retry_max_s": 0.2}
 
 
 def ours(tokens: list[int], model: str = MODEL) -> list[int]:
-    """DESIGN §3's hashes of a prompt's full blocks: what the index must hold for it."""
+    """docs/design.md §3's hashes of a prompt's full blocks: what the index must hold for it."""
     return block_hashes(tokens, BS, model)
 
 
@@ -213,7 +213,7 @@ async def followed(
 
 def test_vllm_format_bytes_at_a_gateway_index_re_hashed() -> None:
     """Batches as vLLM 0.9, SGLang and vLLM 0.26 send them, some before the follower connects (it
-    replays them), some after: the index holds exactly DESIGN §3's hashes of the tokens."""
+    replays them), some after: the index holds exactly docs/design.md §3's hashes of the tokens."""
     a = [random.Random(1).randrange(50_000) for _ in range(80)]
     b = [*a[:48], *range(7000, 7032)]
 

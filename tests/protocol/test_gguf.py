@@ -16,6 +16,8 @@ from protocol.models import default_gguf_path
 from protocol.tokenizer import Tokenizer
 from workers.engine.loader import convert_gguf
 
+pytestmark = pytest.mark.real
+
 # GGUF value types, by the spec's numbering.
 U8, I8, U16, I16, U32, I32, F32, BOOL, STRING, ARRAY, U64, I64, F64 = range(13)
 _FORMATS = {U8: "B", I8: "b", U16: "H", I16: "h", U32: "I", I32: "i", F32: "f", BOOL: "?"}

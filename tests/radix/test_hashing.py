@@ -1,4 +1,4 @@
-"""DESIGN §3 block hashing: golden vectors, an independent reference, and the incremental form."""
+"""docs/design.md §3 block hashing: golden vectors, an independent reference, and the incremental form."""
 
 import random
 import struct
@@ -41,6 +41,7 @@ def test_golden_vectors() -> None:
     ]
 
 
+@pytest.mark.fuzz
 @settings(max_examples=200, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200),

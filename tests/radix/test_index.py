@@ -129,6 +129,7 @@ class IndexMachine(RuleBasedStateMachine):
 
 TestIndexAgainstReference = IndexMachine.TestCase
 TestIndexAgainstReference.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestIndexAgainstReference.pytestmark = [pytest.mark.fuzz]
 
 
 def test_match_reports_leading_depth_per_replica() -> None:

@@ -375,6 +375,7 @@ def test_a_foreign_stream_is_not_continued_unless_its_model_allows(
 # -- the replica-kill replay ---------------------------------------------------------------------
 
 
+@pytest.mark.fleet
 def test_a_streaming_replay_with_a_worker_killed_and_restarted_truncates_no_stream(tmp_path: Path) -> None:
     result = streams_replica_killed(tmp_path, requests=30, kill_at_s=1.5, restart_at_s=3.0)
     assert result.passed, result.details

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +38,8 @@ from tests.security.test_upstream_client import (
     reply,
     said,
 )
+
+pytestmark = pytest.mark.fuzz
 
 SCALE = float(os.environ.get("PREFIXGATE_FUZZ_SCALE", "1"))
 EXAMPLES = max(1, int(40 * SCALE))

@@ -17,6 +17,8 @@ import pytest
 from gateway.cli import build_parser
 from workers.cli import engine_config, parse_bytes
 
+pytestmark = pytest.mark.fleet
+
 
 def free_port() -> int:
     with socket.socket() as s:

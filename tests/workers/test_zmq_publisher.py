@@ -94,7 +94,7 @@ def replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
 
 def replayed_set(batches: list[KVEventBatch], model: str) -> set[int]:
     """What a vLLM subscriber that re-hashes every stored block holds after these batches: it must be
-    the worker's own cached set, the worker's hashes being DESIGN §3's chain over the same tokens."""
+    the worker's own cached set, the worker's hashes being docs/design.md §3's chain over the same tokens."""
     held: set[int] = set()
     for batch in batches:
         for event in batch.events:

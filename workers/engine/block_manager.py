@@ -5,7 +5,7 @@ gateway computes for the same tokens, so the worker's cache and the gateway's in
 construction. A registered block outlives the sequences that referenced it: once its reference
 count drops to 0 it waits in an LRU list, still reusable, until its slot is needed for new tokens.
 Every registration and eviction is reported through callbacks, which become the KV events of
-DESIGN §4; replaying them yields exactly `cached_hashes()`. Sequences share blocks by reference
+docs/design.md §4; replaying them yields exactly `cached_hashes()`. Sequences share blocks by reference
 count: on a prefix-cache hit, and as the choices of an n > 1 request, forked off one prefill of
 their prompt (`fork`).
 """

@@ -1,7 +1,7 @@
 """Expert parallelism: a MoE model's experts sharded over N processes, attention replicated.
 
-In DESIGN §6's terms: the worker (rank 0) keeps everything a worker has — HTTP server, scheduler, block
-manager, sampler — and its ModelRunner sends every step it is about to run (the flattened chunks: token
+In docs/design.md §6's terms: the worker (rank 0) keeps everything a worker has — HTTP server, scheduler,
+block manager, sampler — and its ModelRunner sends every step it is about to run (the flattened chunks: token
 ids, positions, block tables) to ranks 1..N-1 (`broadcast_object_list`). Every rank runs the same
 forward over the same tokens with a full copy of attention and its own paged KV cache, written
 identically, because the schedule is rank 0's; each holds only E/N experts of every MoE layer

@@ -23,7 +23,7 @@ from workers.sim.link import KvLink
 @dataclass(frozen=True, slots=True)
 class Profile:
     name: str
-    # The served model name: it roots the block hashes (DESIGN §3), so a simulated replica and a real
+    # The served model name: it roots the block hashes (docs/design.md §3), so a simulated replica and a real
     # one of the same model hash identically.
     model_name: str
     vocab_size: int
@@ -193,7 +193,7 @@ H100_8B = Profile(
         LLAMA3_HEAD_DIM,
         LLAMA3_KV_BYTES_PER_TOKEN,
     ),
-    # This engine's flash-attn paged KV needs a multiple of 256 (DESIGN §3).
+    # This engine's flash-attn paged KV needs a multiple of 256 (docs/design.md §3).
     block_size=256,
     # 60e9 / 131072 = 457,763 tokens (1788 blocks of 256).
     kv_capacity_tokens=H100_KV_FREE_BYTES // LLAMA3_KV_BYTES_PER_TOKEN,

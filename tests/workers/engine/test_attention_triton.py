@@ -27,6 +27,8 @@ from workers.engine.attention import (
 )
 from workers.engine.engine import Engine, EngineConfig
 
+pytestmark = pytest.mark.real
+
 pytest.importorskip("triton", reason="the triton package is not installed (make test installs it)")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

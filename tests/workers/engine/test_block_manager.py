@@ -397,3 +397,4 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.pytestmark = [pytest.mark.fuzz]

@@ -56,6 +56,7 @@ def test_the_ladder_ends_at_the_first_size_that_holds_the_batch() -> None:
         batch_sizes_for(0)
 
 
+@pytest.mark.real
 def test_padded_decodes_give_eager_greedy_tokens(tiny) -> None:
     """Five requests prefilled in one step, whose batch then shrinks as they finish: steps of 5, 4, 3, 2
     and 1 decodes, padded to 8, 4, 4, 2 and 1."""
@@ -84,6 +85,7 @@ def test_padded_decodes_give_eager_greedy_tokens(tiny) -> None:
     assert set(padded_to) == {1, 2, 3, 4, 5}
 
 
+@pytest.mark.real
 def test_padded_logits_equal_eager_and_pad_rows_store_nothing(tiny) -> None:
     _, loaded = tiny
     config = EngineConfig(block_size=BLOCK_SIZE, num_blocks=64, backend="triton")

@@ -22,6 +22,8 @@ from workers.engine.sampling_params import SamplingParams
 from workers.kv_events import KVEventLog
 from workers.server import Worker
 
+pytestmark = pytest.mark.real
+
 PROMPT_LENS = (1, 6, 13, 22)
 MAX_NEW = 8
 CONFIG = EngineConfig(block_size=4, num_blocks=64, max_prefill_chunk=9, num_threads=1)

@@ -34,6 +34,8 @@ from workers.engine.loader import LoadedModel, load_model, load_weights
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.real
+
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
 TINY_PROMPT_LENS = (1, 3, 7, 12, 17, 26, 33, 45)

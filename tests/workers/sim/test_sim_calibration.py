@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import pytest
 import torch
 
 from workers.engine.batch import ScheduledChunk, StepOutput
@@ -32,6 +33,8 @@ from workers.sim.calibrate import (
 from workers.sim.cost_model import step_shape
 from workers.sim.fit import fit_cost_model
 from workers.sim.profiles import CPU_SMOLLM2
+
+pytestmark = pytest.mark.real
 
 # The profile's fit error is ~10% RMS on an idle machine; the cores are shared, so leave room.
 TOLERANCE = 0.35
