@@ -148,7 +148,7 @@ def _response_item(item: Any) -> Any:
     if not (isinstance(item, dict) and item.get("type", "message") == "message"):
         return item
     role, content = item.get("role"), item.get("content")
-    if role not in _RESPONSE_ROLES:
+    if not isinstance(role, str) or role not in _RESPONSE_ROLES:
         return item
     if isinstance(content, list) and all(
         isinstance(p, dict) and isinstance(p.get("text"), str) for p in content

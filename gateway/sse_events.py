@@ -31,6 +31,7 @@ _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_USAGE_KEY = re.compile(rb'"usage"\s*:\s*\{')
 # Responses API events that come before any output.
 _PREAMBLE_TYPES = frozenset(
     {"response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"}
@@ -116,7 +117,8 @@ def _is_preamble(payload: object) -> bool:
         return True
     if not isinstance(payload, dict):
         return False
-    if payload.get("type") in _PREAMBLE_TYPES:
+    kind = payload.get("type")
+    if isinstance(kind, str) and kind in _PREAMBLE_TYPES:
         return True
     choices = payload.get("choices")
     if not isinstance(choices, list) or not choices or payload.get("usage"):
@@ -156,8 +158,12 @@ class OutputWatch:
 
 
 def usage_numbers(tail: bytes) -> tuple[int | None, int | None]:
-    """(prompt_tokens, cached_tokens) of the last usage object in a response's tail."""
-    prompts, cached = _PROMPT_TOKENS.findall(tail), _CACHED_TOKENS.findall(tail)
+    """(prompt_tokens, cached_tokens) of the last usage object in a response's tail: read from its
+    `"usage"` key on (the whole tail where the key was cut off), so that one object's count never
+    pairs with another's."""
+    keys = list(_USAGE_KEY.finditer(tail))
+    last = tail[keys[-1].start() :] if keys else tail
+    prompts, cached = _PROMPT_TOKENS.findall(last), _CACHED_TOKENS.findall(last)
     return (int(prompts[-1]) if prompts else None), (int(cached[-1]) if cached else None)
 
 

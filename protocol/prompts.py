@@ -95,7 +95,7 @@ def _parsed_arguments(message: Any) -> Any:
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
             try:
                 arguments = json.loads(function["arguments"])
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested past the parser's depth
                 arguments = None
             if isinstance(arguments, dict):
                 call = {**call, "function": {**function, "arguments": arguments}}
