@@ -16,8 +16,9 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from bench.fleet_result import FleetResult
 from bench.report import bar_panels, format_table, write_json
 from workers.sim.cost_model import StepShape, chunk_shape
 from workers.sim.ep_cost import ExpertParallelCost, StepTerms
@@ -30,10 +31,6 @@ from workers.sim.moe_profiles import (
     weight_bytes_per_gpu,
 )
 from workers.sim.profiles import Profile
-
-if TYPE_CHECKING:
-    # bench.fleet runs the layouts and imports this module to report them.
-    from bench.fleet import FleetResult
 
 DECODE_SEQS_PER_GPU, DECODE_CONTEXT = 32, 2048
 

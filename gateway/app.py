@@ -36,9 +36,10 @@ from gateway.gateway import Gateway
 from gateway.internal_fields import INTERNAL_HEADER_PREFIX
 from gateway.openapi import OPENAPI
 from gateway.pd_legs import PAIRED_ROUTES
-from gateway.proxy import ACCOUNTED, HOP_BY_HOP, Routed, connection_named, forward
+from gateway.proxy import ACCOUNTED, HOP_BY_HOP, connection_named, forward
 from gateway.replicas import Replica
 from gateway.request_view import PREFIX_ROUTES, RequestView, Route, read_request
+from gateway.routed import Routed
 from gateway.router import Decision, decide
 from policies import ConfigError
 from protocol.errors import CLIENT_GONE, RETRY_AFTER_S, ApiError

@@ -33,7 +33,7 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 from multidict import CIMultiDict
@@ -43,12 +43,10 @@ from gateway.internal_fields import client_body
 from gateway.pd_bodies import bundled_fields, sglang_fields, vllm_prefill_body, vllm_transfer_params
 from gateway.replicas import Replica
 from gateway.request_view import Route
+from gateway.routed import Routed
 from gateway.upstream import UpstreamError, UpstreamResponse, error_kind, header_count
 from protocol.disaggregation import PREFILL_ERROR_HEADER, TRANSFERRED_TOKENS_HEADER
 from protocol.transfer_auth import parse_secret
-
-if TYPE_CHECKING:
-    from gateway.proxy import Routed
 
 log = logging.getLogger("prefixgate.gateway.pd")
 

@@ -49,15 +49,14 @@ from gateway.internal_fields import client_body
 from gateway.migration import Continuation, Sent, StreamTap, continuation_body, sent_tokens
 from gateway.pd_legs import REFUSALS, PrefillFailed, PrefillLeg, prefill_leg
 from gateway.replicas import Replica
-from gateway.request_view import PREFIX_ROUTES, Route
-from gateway.router import Decision
+from gateway.request_view import PREFIX_ROUTES
+from gateway.routed import Routed
 from gateway.sse_events import OutputWatch, ResponseIdScan, UsageStrip, usage_numbers
 from gateway.upstream import UpstreamError, UpstreamResponse, error_kind, header_count
 from policies.prefix_aware import prefill_wait_s
 from protocol.errors import CLIENT_GONE, ApiError
 from protocol.openai_responses import CACHED_TOKENS_HEADER, SSE_DONE, sse
 from protocol.stream_ids import STREAM_IDS_HEADER
-from radix.index import Predicted
 from radix.reports import realised_blocks
 
 REPLICA_HEADER = "x-prefixgate-replica"
@@ -111,34 +110,6 @@ def connection_named(headers: Mapping[str, str]) -> frozenset[str]:
 _ID_ROUTES = frozenset({"chat", "completions"})
 _SSE = "text/event-stream"
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class Routed:
-    route: Route
-    model: str
-    method: str
-    # Path and query string, as the client sent them.
-    target: str
-    # The client's body as received: forwarded unchanged unless token ids are attached.
-    raw: bytes
-    # The body as JSON (None when it is not a JSON object: a file upload, an empty GET).
-    body: dict[str, Any] | None
-    # The client's end-to-end headers (gateway.app.forwarded_headers), Authorization not among them;
-    # a multidict, as a header may come more than once (Cookie).
-    headers: CIMultiDict[str]
-    tokens: list[int] | None
-    # Whether the gateway tokenized the prompt itself (the ids are then worth attaching).
-    tokenized: bool
-    decision: Decision
-    arrival: float
-    # The client's Authorization header, forwarded only when configured.
-    authorization: str | None
-    # What the first choice was predicted to hold of the prompt, before this request was recorded there:
-    # what its reported reuse is checked against (Predictions.learn), and the replica's index tick at
-    # that record. None: not predicted.
-    predicted: Predicted | None = None
-    recorded_tick: int | None = None
 
 
 @dataclass(slots=True)

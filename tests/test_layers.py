@@ -36,3 +36,76 @@ def test_a_package_imports_only_what_its_layer_may(package: str) -> None:
     for file in files:
         wrong = imported_roots(file) & FORBIDDEN[package]
         assert not wrong, f"{file.relative_to(ROOT)} imports {sorted(wrong)}"
+
+
+PACKAGES = ("protocol", "gateway", "workers", "radix", "policies", "bench")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The repository's modules `path` imports, wherever the import stands (a function's, or under
+    TYPE_CHECKING): `from a.b import c` counts as a.b.c when that is a module, else as a.b."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+    return {name for name in found if name in modules}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif step not in index:
+                index[step] = low[step] = len(index)
+                stack.append(step)
+                on_stack.add(step)
+                work.append((step, iter(sorted(graph[step]))))
+            elif step in on_stack:
+                low[node] = min(low[node], index[step])
+    return found
+
+
+def test_no_module_imports_itself_through_others_type_checking_and_lazy_imports_included() -> None:
+    files = {module_name(f): f for package in PACKAGES for f in (ROOT / package).rglob("*.py")}
+    modules = set(files)
+    graph = {name: imported_modules(path, modules) - {name} for name, path in files.items()}
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
