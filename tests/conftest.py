@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from bench.local_fleet import free_port, start_redis
-
-__all__ = ["free_port", "start_redis_server"]
+from tests.support.redis import private_redis
 
 TIERS = {
     "fleet": "starts servers or processes and talks to them over loopback (HTTP, Redis, ZMQ)",
@@ -68,30 +64,6 @@ def interpret_triton_without_a_gpu() -> None:
 
 
 interpret_triton_without_a_gpu()
-
-
-def start_redis_server(port: int, workdir: Path) -> subprocess.Popen[bytes]:
-    """A private redis-server on 127.0.0.1:port with no persistence, answering PING when this returns
-    (bench.local_fleet's, as the benchmarks start theirs); a test restarts Redis at the same port."""
-    try:
-        return start_redis(workdir, port).proc
-    except RuntimeError as error:
-        pytest.fail(str(error))
-
-
-@contextmanager
-def private_redis(workdir: Path) -> Iterator[str]:
-    """redis://127.0.0.1:PORT/0 of a redis-server started for the block, stopped after it."""
-    port = free_port()
-    proc = start_redis_server(port, workdir)
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="session")

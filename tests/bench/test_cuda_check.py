@@ -13,7 +13,7 @@ import torch
 from bench.cuda_check import FOLDER_FILES, shape_folder
 from gateway.cli import main
 from protocol.models import default_gguf_path
-from tests.workers.conftest import tiny_llama_config
+from tests.support.hf_models import tiny_llama_config
 from workers.engine.loader import convert_gguf
 
 pytestmark = pytest.mark.real

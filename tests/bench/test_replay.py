@@ -50,8 +50,7 @@ from bench.workloads import AgentParams, agent_sessions, total_turns
 from gateway.cli import build_parser, main
 from gateway.config import parse_config
 from protocol.models import default_tokenizer
-from tests.conftest import free_port
-from tests.workers.conftest import ServerThread
+from tests.support.servers import ServerThread, free_port
 from workers.kv_events import KVEventLog
 from workers.server import Worker, create_app
 from workers.sim.cost_model import CostModel

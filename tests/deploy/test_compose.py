@@ -25,7 +25,7 @@ import yaml
 from gateway.config import load_config
 from protocol.models import default_gguf_path, load_tokenizer_spec
 from protocol.redis_keys import worker_key
-from tests.conftest import free_port
+from tests.support.servers import free_port
 from workers.engine.loader import convert_gguf, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

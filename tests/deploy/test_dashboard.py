@@ -26,8 +26,9 @@ import pytest
 import yaml
 from redis import Redis
 
-from tests.conftest import free_port
-from tests.gateway.conftest import SIM_MODEL, RunningGateway, SimWorker, sim_worker_args
+from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker, sim_worker_args
+from tests.support.polling import wait_for
+from tests.support.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_YML = ROOT / "configs" / "prometheus.yml"
@@ -94,7 +95,7 @@ def running_prometheus(config: dict[str, Any], workdir: Path) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: ready(url, proc, workdir), "Prometheus to be ready", timeout=30)
+        wait_for(lambda: ready(url, proc, workdir), "Prometheus to be ready", timeout=30, interval=0.2)
         yield url
     finally:
         proc.terminate()
@@ -114,14 +115,6 @@ def ready(url: str, proc: subprocess.Popen[bytes], workdir: Path) -> bool:
         return httpx.get(f"{url}/-/ready", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def wait_until(condition: Callable[[], Any], what: str, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return value
 
 
 def query(prometheus: str, expr: str) -> list[dict[str, Any]]:
@@ -213,7 +206,9 @@ def test_every_dashboard_query_returns_data_from_a_live_fleet(
     kept, doomed = (f"127.0.0.1:{port}" for port in ports)
     victim = doomed_worker(doomed, ports[1], redis)
     start_sim_worker(kept, "--redis", redis, "--heartbeat", "0.5", "--load-period", "0.1", port=ports[0])
-    wait_until(lambda: healthy(f"http://{doomed}", victim), "the worker process to start", timeout=45)
+    wait_for(
+        lambda: healthy(f"http://{doomed}", victim), "the worker process to start", timeout=45, interval=0.2
+    )
     # Slow health checks: the killed worker below must still be chosen, to fail a forward.
     gateway = start_gateway(
         [],
@@ -226,7 +221,12 @@ def test_every_dashboard_query_returns_data_from_a_live_fleet(
     config = scrape_config([gateway.url.removeprefix("http://")], [kept, doomed])
     with running_prometheus(config, tmp_path) as prometheus:
         # Every target scraped once: round one's counters are in, so round two's make them move.
-        wait_until(lambda: len(query(prometheus, "up == 1")) == 3, "a first scrape of all targets", 15)
+        wait_for(
+            lambda: len(query(prometheus, "up == 1")) == 3,
+            "a first scrape of all targets",
+            timeout=15,
+            interval=0.2,
+        )
         traffic(gateway)
         # A worker dies while the gateway still routes to it: forwards fail and are retried elsewhere.
         victim.kill()
@@ -238,7 +238,7 @@ def test_every_dashboard_query_returns_data_from_a_live_fleet(
             assert response.status_code == 200, response.text
             return upstream_errors(gateway)
 
-        wait_until(failed_forward, "a failed forward to the killed worker", timeout=5)
+        wait_for(failed_forward, "a failed forward to the killed worker", timeout=5, interval=0.2)
 
         def missing() -> list[str]:
             return [f"{name}: {expr}" for name, expr in queries if not has_numbers(query(prometheus, expr))]

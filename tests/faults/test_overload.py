@@ -16,7 +16,7 @@ import pytest
 from bench import chaos
 from bench.chaos import Fleet, Outcome, burst, completion, family_prompt, sim_profile
 from gateway.config import Limits
-from tests.gateway.conftest import SIM_MODEL, RunningGateway, SimWorker
+from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker
 
 MIB = 2**20
 # Requests each narrow worker holds: 2 generating (its batch) and 2 queued (--max-waiting).

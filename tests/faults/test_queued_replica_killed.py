@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import free_port
-from tests.gateway.conftest import RunningGateway
-from tests.gateway.test_shared_state import wait_for
+from tests.support.gateways import RunningGateway
+from tests.support.polling import wait_for
+from tests.support.servers import free_port
 
 MODEL = "foreign-m"
 # A vLLM-like server: a stream answers 200 and its role event at once, and its tokens after
@@ -119,7 +119,9 @@ def test_requests_queued_on_a_killed_replica_are_served_elsewhere(
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(chat, gateway, i, stream=i % 2 == 0) for i in range(16)]
         # Half of them are queued on the doomed replica: 200 and a role event sent, no token.
-        wait_for(lambda: len(gateway.gw.replicas.get(doomed_id).inflight) >= 6, "requests queued there")
+        wait_for(
+            lambda: len(gateway.gw.replicas.get(doomed_id).inflight) >= 6, "requests queued there", timeout=5
+        )
         time.sleep(0.2)
         doomed.send_signal(signal.SIGKILL)
         results = [f.result() for f in futures]

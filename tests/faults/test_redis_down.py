@@ -18,9 +18,10 @@ import redis
 
 from bench.chaos import Traffic, completion, family_prompt
 from protocol.redis_keys import WORKERS, worker_key
-from tests.conftest import free_port, start_redis_server
-from tests.gateway.conftest import RunningGateway, SimWorker
-from tests.gateway.test_shared_state import wait_for
+from tests.support.gateways import RunningGateway, SimWorker
+from tests.support.polling import wait_for
+from tests.support.redis import start_redis_server
+from tests.support.servers import free_port
 
 
 class PrivateRedis:
@@ -106,7 +107,7 @@ def test_gateways_route_through_a_redis_outage_and_resync_after_it(
         private_redis.kill()
         killed = time.monotonic()
         for gateway in gateways:
-            wait_for(lambda g=gateway: health(g)["degraded"], "the gateways to see Redis gone")
+            wait_for(lambda g=gateway: health(g)["degraded"], "the gateways to see Redis gone", timeout=5)
             assert redis_up(gateway) == 0
             assert health(gateway)["status"] == "degraded"
         # Routing carries on from the local index, on prefixes the workers cache meanwhile.
@@ -116,7 +117,11 @@ def test_gateways_route_through_a_redis_outage_and_resync_after_it(
         for gateway in gateways:
             wait_for(lambda g=gateway: not health(g)["degraded"], "the gateways to reconnect", timeout=10)
             assert redis_up(gateway) == 1
-        wait_for(lambda: private_redis.registered() == {w.id for w in workers}, "the workers to re-register")
+        wait_for(
+            lambda: private_redis.registered() == {w.id for w in workers},
+            "the workers to re-register",
+            timeout=5,
+        )
         traffic.wait_for_requests(len(traffic.outcomes) + 20)
     outcomes = traffic.outcomes
     during = traffic.between(killed, back)
@@ -132,10 +137,14 @@ def test_gateways_route_through_a_redis_outage_and_resync_after_it(
     # The KV followers caught up: every index is exact again, with nothing pending or failing.
     for gateway in gateways:
         for worker in workers:
-            wait_for(lambda g=gateway, w=worker: index_matches(g, w), f"{worker.id}'s index to be exact")
+            wait_for(
+                lambda g=gateway, w=worker: index_matches(g, w), f"{worker.id}'s index to be exact", timeout=5
+            )
             state = gateway.gw.sync.states[worker.id]
             # A follower may still be backing off from a stale pooled connection: at most RETRY_MAX_S.
-            wait_for(lambda s=state: s.last_error is None and s.lag_s() == 0, f"{worker.id}'s follower")
+            wait_for(
+                lambda s=state: s.last_error is None and s.lag_s() == 0, f"{worker.id}'s follower", timeout=5
+            )
             print(f"{worker.id}: {state.batches_applied} batches applied, {state.resyncs} snapshot loads")
         assert not any(task.done() for task in gateway.gw._tasks), "a background task died"
     assert all(httpx.get(f"{w.url}/health", timeout=5).status_code == 200 for w in workers)
@@ -165,4 +174,4 @@ def test_a_hung_redis_reads_as_down_and_costs_no_request(
         traffic.wait_for_requests(len(traffic.outcomes) + 10)
     assert [o for o in traffic.outcomes if o.status != 200] == []
     for worker in workers:
-        wait_for(lambda w=worker: index_matches(gateway, w), f"{worker.id}'s index to be exact")
+        wait_for(lambda w=worker: index_matches(gateway, w), f"{worker.id}'s index to be exact", timeout=5)

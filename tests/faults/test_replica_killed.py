@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import free_port
-from tests.gateway.conftest import SIM_MODEL, RunningGateway, sim_worker_args
-from tests.gateway.test_shared_state import wait_for
+from tests.support.gateways import SIM_MODEL, RunningGateway, sim_worker_args
+from tests.support.polling import wait_for
+from tests.support.servers import free_port
 
 
 @pytest.fixture
@@ -87,7 +87,9 @@ def test_a_killed_replica_costs_no_request_that_had_not_started_streaming(
     # The stream had: it is continued on the survivor (gateway.migration), and ends whole.
     assert tail[-1] == "data: [DONE]" and '"finish_reason":"length"' in tail[-2]
     assert not any("upstream_failed" in line for line in tail)
-    down_since = wait_for(lambda: gateway.gw.replicas.get(victim).down_since, "the victim to leave")
+    down_since = wait_for(
+        lambda: gateway.gw.replicas.get(victim).down_since, "the victim to leave", timeout=5
+    )
     assert down_since - killed < 2.0
     assert {long_request(gateway, False).headers["x-prefixgate-replica"] for _ in range(4)} == {survivor}
     # Restarted on the same port: back in the rotation, with the old cache forgotten.

@@ -15,8 +15,8 @@ import pytest
 
 from bench import chaos
 from bench.chaos import Fleet, Traffic, completion, family_prompt
-from tests.gateway.conftest import RunningGateway
-from tests.gateway.test_shared_state import wait_for
+from tests.support.gateways import RunningGateway
+from tests.support.polling import wait_for
 
 REQUEST_TIMEOUT_S = 2.0
 HEALTH = {"interval_s": 0.2, "timeout_s": 0.5, "failures": 2, "load_interval_s": 0.05}
@@ -61,7 +61,9 @@ def test_a_stuck_replica_costs_no_request_more_than_the_timeout(
         assert timed_out.json()["error"]["type"] == "server_error"
         assert REQUEST_TIMEOUT_S - 0.1 < waited < REQUEST_TIMEOUT_S + SLACK_S
         # Marked unhealthy within the health checks' bound (failures x (interval + timeout)).
-        down = wait_for(lambda: gateway.gw.replicas.get("s0").down_since, "s0 to be marked unhealthy")
+        down = wait_for(
+            lambda: gateway.gw.replicas.get("s0").down_since, "s0 to be marked unhealthy", timeout=5
+        )
         bound = HEALTH["failures"] * (HEALTH["interval_s"] + HEALTH["timeout_s"])
         print(f"\ns0 unhealthy {down - stopped:.2f} s after SIGSTOP (bound {bound:.1f} s + slack)")
         assert down - stopped < bound + SLACK_S

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import httpx
 
-from tests.gateway.conftest import SIM_MODEL, RunningGateway, SimWorker
-from tests.gateway.test_shared_state import PREFIX, complete, wait_for
+from tests.support.gateways import PREFIX, SIM_MODEL, RunningGateway, SimWorker, complete
+from tests.support.polling import wait_for
 
 
 def test_drain_remove_and_add_back(
@@ -44,7 +44,7 @@ def test_debug_route_explains_the_choice(
 ) -> None:
     gateway = start_gateway([start_sim_worker(f"w{i}").url for i in range(2)])
     served, _, _ = complete(gateway, PREFIX)
-    wait_for(lambda: gateway.gw.index.blocks_of(served) >= len(PREFIX) // 16, "the KV events")
+    wait_for(lambda: gateway.gw.index.blocks_of(served) >= len(PREFIX) // 16, "the KV events", timeout=5)
     explained = gateway.admin(
         "POST", "/debug/route", json={"model": SIM_MODEL, "prompt": [*PREFIX, 1, 2, 3]}
     ).json()

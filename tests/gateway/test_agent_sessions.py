@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from tests.gateway.conftest import RecordingBackend, RunningGateway
+from tests.support.gateways import RecordingBackend, RunningGateway
 
 MODEL = "foreign-m"
 TOOLS = [

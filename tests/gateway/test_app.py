@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import SIM_MODEL, RunningGateway, SimWorker
+from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker
 
 SYSTEM = "You are a careful assistant for a library. " * 12
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from gateway.config import Listen
-from tests.gateway.conftest import SIM_MODEL, RunningGateway, SimWorker
+from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker
 
 KEYS_ENV, ADMIN_ENV = "PREFIXGATE_TEST_API_KEYS", "PREFIXGATE_TEST_ADMIN_TOKEN"
 API_KEYS = ("key-alpha", "key-beta")

@@ -16,9 +16,9 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import free_port
-from tests.gateway.conftest import SIM_MODEL, SimWorker
-from tests.gateway.test_shared_state import wait_for
+from tests.support.gateways import SIM_MODEL, SimWorker
+from tests.support.polling import wait_for
+from tests.support.servers import free_port
 
 
 def write_config(path: Path, urls: list[str], policy: str) -> None:
@@ -77,7 +77,9 @@ def test_serve_reloads_its_config_on_sighup_without_dropping_requests(
         next(lines)
         write_config(config, [workers[1].url], "prefix_aware")
         proc.send_signal(signal.SIGHUP)
-        wait_for(lambda: httpx.get(f"{url}/health").json()["policy"] == "prefix_aware", "the reload")
+        wait_for(
+            lambda: httpx.get(f"{url}/health").json()["policy"] == "prefix_aware", "the reload", timeout=5
+        )
         # The request placed on the replica that left the config still streams to its end.
         rest = list(lines)
     assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"

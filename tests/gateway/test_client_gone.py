@@ -20,7 +20,8 @@ import pytest
 from aiohttp import web
 
 from protocol.openai_responses import SSE_DONE, sse
-from tests.gateway.conftest import RunningGateway, foreign_backend
+from tests.support.gateways import RunningGateway, foreign_backend
+from tests.support.polling import wait_for
 
 MODEL = "slow-close"
 CHUNKS = 5
@@ -64,13 +65,6 @@ def _counted(gateway: RunningGateway, status: str, replica: str) -> float:
     return value or 0.0
 
 
-def _wait_counted(gateway: RunningGateway, status: str, replica: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while _counted(gateway, status, replica) < 1:
-        assert time.monotonic() < deadline, f"no request counted with status {status}"
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize(("read_lines", "status"), [(CHUNKS + 1, "200"), (2, "499")])
 def test_a_client_that_leaves_is_counted_once_with_its_replica(
     slow_close_backend: str,
@@ -88,7 +82,9 @@ def test_a_client_that_leaves_is_counted_once_with_its_replica(
         left = time.monotonic()
     assert (seen[-1] == "data: [DONE]") == (status == "200")
     # Counted once the gateway notices, well before the replica's held-back end of stream.
-    _wait_counted(gateway, status, replica)
+    wait_for(
+        lambda: _counted(gateway, status, replica) >= 1, f"a request counted with status {status}", timeout=5
+    )
     assert time.monotonic() - left < HOLD_S - 1
     other = "499" if status == "200" else "200"
     assert _counted(gateway, other, replica) == 0
@@ -140,7 +136,9 @@ def test_a_client_that_closes_as_the_stream_ends_is_counted_as_served(
             assert blocked.wait(5)
             END_NOW.set()
             time.sleep(0.1)  # the end of stream is at the gateway's socket, unread
-        _wait_counted(gateway, "200", replica)
+        wait_for(
+            lambda: _counted(gateway, "200", replica) >= 1, "a request counted with status 200", timeout=5
+        )
         assert _counted(gateway, "499", replica) == 0
         assert gateway.gw.replicas.get(replica).routable
     assert not [r for r in caplog.records if r.levelname == "ERROR"]

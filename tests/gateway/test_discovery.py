@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from gateway.config import ReplicaEntry
 from gateway.discovery import Probe, ProbeFailed, probe, read_registry
 from protocol.redis_keys import WORKERS, worker_key
-from tests.workers.conftest import ServerThread
+from tests.support.servers import ServerThread
 
 HEALTH = {
     "status": "ok",

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from gateway.openapi import OPENAPI
-from tests.gateway.conftest import SIM_MODEL, RunningGateway, SimWorker, assert_openai_error
+from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker, assert_openai_error
 
 pytestmark = pytest.mark.fuzz
 

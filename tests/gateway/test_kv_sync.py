@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import subprocess
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -22,9 +22,10 @@ import redis
 from gateway.kv_sync import IndexSync, SyncState, Transport, follow_http, follow_redis
 from protocol.redis_keys import kv_stream_key
 from radix.index import RadixIndex
-from tests.conftest import free_port, start_redis_server
-from tests.workers.conftest import ServerThread
-from tests.workers.test_redis_publisher import BLOCK_SIZE, PublishedWorker
+from tests.support.polling import wait_for_async
+from tests.support.publishers import BLOCK_SIZE, PublishedWorker, StartWorker
+from tests.support.redis import start_redis_server
+from tests.support.servers import ServerThread, free_port
 from workers.kv_events import KVEventLog
 from workers.redis_publisher import PublisherConfig, connect, redis_context
 from workers.server import Worker, create_app
@@ -33,7 +34,6 @@ from workers.sim.profiles import CPU_SMOLLM2
 from workers.sim.runner import VirtualClock
 
 TRANSPORTS: tuple[Transport, ...] = ("http", "redis")
-StartWorker = Callable[..., PublishedWorker]
 
 
 @pytest.fixture
@@ -96,21 +96,13 @@ def follow(sync: IndexSync, worker: PublishedWorker) -> SyncState:
     return sync.start(worker.worker_id, worker.url)
 
 
-async def eventually(condition: Callable[[], Any], what: str, timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 async def converged(state: SyncState, worker: PublishedWorker, timeout: float = 10.0) -> dict[str, Any]:
     """The worker's snapshot, once the follower has applied everything up to it."""
     snap = await asyncio.to_thread(worker.snapshot)
-    await eventually(
+    await wait_for_async(
         lambda: state.incarnation == snap["incarnation"] and state.seq >= snap["seq"],
         f"{state.replica} to reach seq {snap['seq']} of {snap['incarnation']}",
-        timeout,
+        timeout=timeout,
     )
     return snap
 
@@ -228,7 +220,7 @@ def test_a_restarted_worker_leaves_only_its_new_blocks(
             old = set((await converged(state, first))["hashes"])
             await asyncio.to_thread(first.server.stop)
             if transport == "http":
-                await eventually(lambda: state.errors > 0, "the follower to fail")
+                await wait_for_async(lambda: state.errors > 0, "the follower to fail")
                 assert state.last_error and state.lag_s() > 0
             second = await asyncio.to_thread(start, worker_id, publish=publish, port=port)
             await asyncio.to_thread(second.complete, list(range(2000, 2010)), 2)
@@ -237,7 +229,7 @@ def test_a_restarted_worker_leaves_only_its_new_blocks(
             assert second.events.incarnation != first.events.incarnation and new and old - new
             assert_holds_exactly(gw.index, worker_id, new)
             assert state.resyncs == (2 if transport == "http" else 1)
-            await eventually(lambda: state.last_error is None, "the follower to recover")
+            await wait_for_async(lambda: state.last_error is None, "the follower to recover")
             if gw.redis is not None:
                 # A late batch of the ended incarnation is skipped, and so is a malformed entry.
                 stream = kv_stream_key(worker_id)
@@ -269,13 +261,13 @@ def test_a_redis_follower_rides_out_a_redis_restart(start: StartWorker, tmp_path
             servers[0].terminate()
             servers[0].wait(5)
             await asyncio.to_thread(workload, worker, 20, 15)
-            await eventually(lambda: state.errors > 0, "the follower to fail")
+            await wait_for_async(lambda: state.errors > 0, "the follower to fail")
             assert state.lag_s() > 0
             servers.append(start_redis_server(port, tmp_path))
             snap = await converged(state, worker)
             assert_holds_exactly(gw.index, worker.worker_id, snap["hashes"])
             assert state.resyncs == 1
-            await eventually(lambda: state.last_error is None, "the follower to recover")
+            await wait_for_async(lambda: state.last_error is None, "the follower to recover")
 
     try:
         asyncio.run(main())

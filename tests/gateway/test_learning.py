@@ -14,7 +14,7 @@ import pytest
 
 from bench.words import text_of
 from protocol.models import default_tokenizer
-from tests.gateway.conftest import SIM_MODEL, RecordingBackend, RunningGateway, SimWorker
+from tests.support.gateways import SIM_MODEL, RecordingBackend, RunningGateway, SimWorker
 
 BLOCK = 16
 POOL_BLOCKS = 128  # each simulated worker's real KV pool

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import RecordingBackend, RunningGateway
+from tests.support.gateways import RecordingBackend, RunningGateway
 
 MODEL = "foreign-m"
 WEATHER_TOOL = {

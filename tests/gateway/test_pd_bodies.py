@@ -16,7 +16,7 @@ from gateway.pd_bodies import (
     vllm_transfer_params,
 )
 from protocol.transfer_auth import check_grant
-from tests.gateway.test_pd_legs import REMOTE_DECODE
+from tests.support.pd import REMOTE_DECODE
 
 CHAT = {
     "model": "m",

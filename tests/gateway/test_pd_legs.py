@@ -18,19 +18,12 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.gateway.conftest import RunningGateway
-from tests.workers.conftest import ServerThread
+from tests.support.gateways import RunningGateway
+from tests.support.pd import REMOTE_DECODE
+from tests.support.servers import ServerThread
 
 MODEL = "pd-m"
 # What vLLM's prefill instance must be asked for, field by field (its reference proxy's).
-REMOTE_DECODE = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 BOOTSTRAP_PORT = 9123
 TEXT = ["Hello", " from", " the", " decode", " side"]
 MESSAGES = [

@@ -21,8 +21,8 @@ from aiohttp import web
 
 from protocol.transfer_auth import SECRET_ENV, check_grant
 from radix import block_hashes
-from tests.gateway.conftest import RunningGateway
-from tests.workers.conftest import ServerThread
+from tests.support.gateways import RunningGateway
+from tests.support.servers import ServerThread
 
 MODEL = "pd-ours"
 BLOCK = 16

@@ -18,8 +18,9 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from protocol.disaggregation import TRANSFERRED_TOKENS_HEADER
 from protocol.transfer_auth import SECRET_ENV
-from tests.workers.conftest import RunningWorker, ServerThread, serve_worker
-from tests.workers.test_server import idle, slow_down, wait_for
+from tests.support.polling import wait_for
+from tests.support.servers import ServerThread
+from tests.support.workers import RunningWorker, idle, serve_worker, slow_down
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.llm import load
 from workers.kv_events import KVEventLog
@@ -74,7 +75,7 @@ def _fleet() -> Iterator[Fleet]:
     gateway = ServerThread(create_app(parse_config(config)))
     servers.append(gateway)
     url = gateway.start()
-    wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, timeout=30)
+    wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, "the gateway to be healthy", timeout=30)
     yield Fleet(workers["prefill"], workers["decode"], workers["mixed"], url)
     for server in servers:
         server.stop()
@@ -110,7 +111,7 @@ def test_paired_answers_are_the_mixed_workers_and_the_prompt_arrives_cached(flee
             # The system prompt is on the decode worker now: what is left is computed there, unpaired.
             assert cached >= 256 and moved == 0
             assert "x-prefixgate-prefill-replica" not in headers
-    wait_for(lambda: idle(fleet.prefill) and idle(fleet.decode))
+    wait_for(lambda: idle(fleet.prefill) and idle(fleet.decode), "both workers to be idle")
     decode_metrics = httpx.get(f"{fleet.decode.url}/metrics").text
     assert "prefixgate_worker_kv_transfer_received_bytes_total" in decode_metrics
 
@@ -134,7 +135,7 @@ def test_a_client_leaving_mid_transfer_frees_both_pools(fleet: Fleet) -> None:
         watching.set()
         watcher.join()
         assert max(reserved) > 0, "the decode worker held a reservation while the prefill ran"
-        wait_for(lambda: idle(fleet.prefill) and idle(fleet.decode), timeout=15)
+        wait_for(lambda: idle(fleet.prefill) and idle(fleet.decode), "both workers to be idle", timeout=15)
     finally:
         del fleet.prefill.engine.step  # slow_down's instance attribute: the class's step again
     time.sleep(0.1)

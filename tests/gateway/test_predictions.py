@@ -5,24 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any
 
 import redis.asyncio as aioredis
 
 from gateway.predictions import Predictions
 from protocol.redis_keys import PREDICTIONS
 from radix.index import RadixIndex
+from tests.support.polling import wait_for_async
 
 TTL_S = 30.0
-
-
-async def eventually(condition: Callable[[], Any], what: str, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 def index_of(*replicas: str) -> RadixIndex:
@@ -54,24 +45,30 @@ def test_gateways_share_their_predictions_through_redis(redis_url: str) -> None:
                 shared = [11, 12, 13]
                 a.record("r1", shared, now)
                 assert holds_all(index_a, "r1", shared)  # locally at once
-                await eventually(lambda: holds_all(index_b, "r1", shared), "B to receive A's prediction")
+                await wait_for_async(
+                    lambda: holds_all(index_b, "r1", shared), "B to receive A's prediction", timeout=5
+                )
                 assert b.stats.received == 1 and a.stats.published == 1
 
                 b.record("r1", [21, 22])
                 index_b.remove("r1", [21, 22])  # were B to re-insert its own entry, they would be back
-                await eventually(lambda: b.stats.own == 1 and holds_all(index_a, "r1", [21, 22]), "B's echo")
+                await wait_for_async(
+                    lambda: b.stats.own == 1 and holds_all(index_a, "r1", [21, 22]), "B's echo", timeout=5
+                )
                 assert not index_b.holds("r1", 21) and not index_b.holds("r1", 22)
 
                 before = len(index_b)
                 a.record("r2", [31, 32])
-                await eventually(lambda: b.stats.unknown_replica == 1, "B to skip a replica it lacks")
+                await wait_for_async(
+                    lambda: b.stats.unknown_replica == 1, "B to skip a replica it lacks", timeout=5
+                )
                 assert len(index_b) == before and holds_all(index_a, "r2", [31, 32])
 
                 # A gateway that starts now still gets the predictions that are alive.
                 index_c = index_of("r1", "r2")
                 c = Predictions(index_c, ttl_s=TTL_S, redis=redis_a, gateway_id="C", block_ms=100)
                 c.start()
-                await eventually(lambda: c.stats.received == 3, "C to catch up")
+                await wait_for_async(lambda: c.stats.received == 3, "C to catch up", timeout=5)
                 await c.close()
                 assert holds_all(index_c, "r1", [*shared, 21, 22]) and holds_all(index_c, "r2", [31, 32])
 
@@ -101,7 +98,7 @@ def test_predictions_expire_by_the_sweep_and_need_no_redis() -> None:
         await asyncio.sleep(0.05)
         assert holds_all(index, "r1", [1, 2, 3])
         now[0] = 1005.0
-        await eventually(lambda: len(index) == 0, "the sweep")
+        await wait_for_async(lambda: len(index) == 0, "the sweep", timeout=5)
         assert predictions.stats.recorded == 1 and predictions.stats.published == 0
         await predictions.close()
 

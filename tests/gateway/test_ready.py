@@ -18,8 +18,8 @@ import httpx
 import openai
 import yaml
 
-from tests.conftest import free_port
-from tests.gateway.conftest import SIM_MODEL, RecordingBackend, SimWorker
+from tests.support.gateways import SIM_MODEL, RecordingBackend, SimWorker
+from tests.support.servers import free_port
 
 # Run before the gateway: any import of the model stack fails, and is remembered. At exit, what was
 # attempted and whether torch got in anyway.

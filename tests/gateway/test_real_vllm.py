@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from bench.vllm_fleet import (
 )
 from bench.words import text_of
 from gateway.proxy import PREDICTED_CACHED_HEADER
+from tests.support.polling import wait_for
 
 SPEC = VllmSpec(count=1, num_blocks=48, max_model_len=1024, tools=True)
 # Seconds the gateway's index may take to reflect what vLLM published: events travel over loopback
@@ -64,14 +65,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         yield Fleet(servers[0], url, workdir)
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = INDEX_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not happen in {timeout_s:.0f} s")
-        time.sleep(0.05)
-
-
 def settle(fleet: Fleet) -> None:
     """Until the follower has applied no new batch for SETTLED_S: what vLLM published for the answer
     just received is in the index (it publishes after every engine step, before the answer ends)."""
@@ -88,7 +81,12 @@ def settle(fleet: Fleet) -> None:
 def empty(fleet: Fleet) -> Fleet:
     """The server's prefix cache emptied, and the gateway's index with it (AllBlocksCleared)."""
     reset_prefix_caches([fleet.server], SPEC.model)
-    wait_until(lambda: fleet.replica()["index_blocks"] == 0, "the index emptying")
+    wait_for(
+        lambda: fleet.replica()["index_blocks"] == 0,
+        "the index emptying",
+        timeout=INDEX_TIMEOUT_S,
+        interval=0.05,
+    )
     settle(fleet)
     return fleet
 
@@ -184,9 +182,11 @@ def test_index_follows_a_vllm_restart(empty: Fleet) -> None:
     resyncs = empty.replica()["kv_sync"]["resyncs"]
 
     restart(empty.server, SPEC, empty.workdir)
-    wait_until(
+    wait_for(
         lambda: (r := empty.replica())["kv_sync"]["resyncs"] > resyncs and r["healthy"],
         "the gateway clearing the restarted replica's entries",
+        timeout=INDEX_TIMEOUT_S,
+        interval=0.05,
     )
     after = complete(empty, prompts[2])
     assert after.predicted == after.cached == 0

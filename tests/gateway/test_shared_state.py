@@ -4,40 +4,14 @@ mode's predictions shared."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.gateway.conftest import SIM_MODEL, RunningGateway, SimWorker
-
-PREFIX = [1000 + (7 * i) % 30_000 for i in range(160)]
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
-
-
-def complete(gateway: RunningGateway, prompt: list[int], **extra: Any) -> tuple[str, int, int]:
-    """(replica, predicted cached tokens, realised cached tokens) of one completion."""
-    response = httpx.post(
-        f"{gateway.url}/v1/completions",
-        json={"model": SIM_MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, **extra},
-        timeout=30,
-    )
-    assert response.status_code == 200, response.text
-    cached = response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-    return (
-        response.headers["x-prefixgate-replica"],
-        int(response.headers["x-prefixgate-predicted-cached-tokens"]),
-        cached,
-    )
+from tests.support.gateways import PREFIX, SIM_MODEL, RunningGateway, SimWorker, complete
+from tests.support.polling import wait_for
 
 
 @pytest.fixture
@@ -61,7 +35,9 @@ def test_a_prefix_cached_through_a_is_routed_there_through_b(
     replica, predicted, _ = complete(a, [*PREFIX, 5, 6, 7])
     assert predicted == 0
     # B never saw that request: only the worker's KV events, through its Redis stream, tell it.
-    wait_for(lambda: b.gw.index.blocks_of(replica) >= len(PREFIX) // 16, "B's index to hold the prefix")
+    wait_for(
+        lambda: b.gw.index.blocks_of(replica) >= len(PREFIX) // 16, "B's index to hold the prefix", timeout=5
+    )
     again, predicted, cached = complete(b, [*PREFIX, 8, 9, 10, 11])
     assert again == replica
     assert predicted == cached == 16 * (len(PREFIX) // 16)
@@ -76,7 +52,7 @@ def test_load_placed_through_a_is_seen_by_b(
         lines = response.iter_lines()  # held: a dropped iterator closes the stream
         next(lines)
         busy = response.headers["x-prefixgate-replica"]
-        wait_for(lambda: b.gw.replicas.get(busy).load()[0] == 1, "B to see the running request")
+        wait_for(lambda: b.gw.replicas.get(busy).load()[0] == 1, "B to see the running request", timeout=5)
         # So B's least-load choice avoids it.
         assert complete(b, [20_000 + i for i in range(64)])[0] != busy
 
@@ -89,9 +65,9 @@ def test_registry_replicas_join_and_leave_without_a_restart(
 ) -> None:
     gateway = start_gateway([], wait_for=3, redis={"url": redis_url, "poll_interval_s": 0.05})
     late = start_sim_worker("late", "--redis", redis_url, "--heartbeat", "0.2")
-    wait_for(lambda: "late" in gateway.gw.replicas, "the late worker to join")
+    wait_for(lambda: "late" in gateway.gw.replicas, "the late worker to join", timeout=5)
     late.server.stop()  # graceful: it deregisters
-    wait_for(lambda: "late" not in gateway.gw.replicas, "the stopped worker to leave")
+    wait_for(lambda: "late" not in gateway.gw.replicas, "the stopped worker to leave", timeout=5)
     assert sorted(gateway.gw.index.replicas) == sorted(w.id for w in redis_workers)
 
 
@@ -102,6 +78,6 @@ def test_approximate_predictions_are_shared_between_gateways(
     a, b = two_gateways(start_gateway, redis_url, routing=routing)
     assert not a.gw.sync.states  # approximate mode follows no KV events
     replica, _, _ = complete(a, [*PREFIX, 1])
-    wait_for(lambda: b.gw.index.blocks_of(replica) > 0, "A's prediction to reach B")
+    wait_for(lambda: b.gw.index.blocks_of(replica) > 0, "A's prediction to reach B", timeout=5)
     again, predicted, _ = complete(b, [*PREFIX, 2, 3])
     assert again == replica and predicted == 16 * (len(PREFIX) // 16)

@@ -20,7 +20,7 @@ from gateway.upstream import (
     header_count,
     origin_of,
 )
-from tests.conftest import free_port
+from tests.support.servers import free_port
 
 Reply = Callable[["Peer", bytes], Awaitable[None]]
 OK_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"

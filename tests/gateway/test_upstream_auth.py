@@ -13,7 +13,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from tests.gateway.conftest import RunningGateway, foreign_backend
+from tests.support.gateways import RunningGateway, foreign_backend
 
 
 async def _complete(request: web.Request) -> web.Response:

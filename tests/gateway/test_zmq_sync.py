@@ -32,9 +32,9 @@ from gateway.zmq_sync import Chains, ZmqSource, ZmqSync, ZmqSyncState
 from protocol.vllm_kv_events import BlockRemoved, BlockStored
 from radix.hashing import block_hashes, chain_hashes, root_hash
 from radix.index import RadixIndex
-from tests.gateway.conftest import SIM_MODEL, RunningGateway, foreign_backend
-from tests.workers.conftest import ServerThread
-from tests.workers.test_zmq_publisher import distinct_ports
+from tests.support.gateways import SIM_MODEL, RunningGateway, foreign_backend
+from tests.support.polling import wait_for, wait_for_async
+from tests.support.servers import ServerThread, distinct_ports
 from workers.cli import build_worker
 from workers.server import RUNTIME, create_app
 from workers.zmq_publisher import ZmqPublisher, ZmqPublisherConfig
@@ -53,13 +53,6 @@ def assert_holds_exactly(index: RadixIndex, replica: str, hashes: Iterable[int])
     expected = set(hashes)
     held = {h for h in expected if index.holds(replica, h)}
     assert (index.blocks_of(replica), len(held)) == (len(expected), len(expected))
-
-
-async def eventually(condition: Callable[[], Any], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
 
 
 # -- the chain map, alone ---------------------------------------------------------------------------
@@ -225,7 +218,7 @@ def test_vllm_format_bytes_at_a_gateway_index_re_hashed() -> None:
 
     async def main() -> None:
         async with followed(history) as (pub, state, index, _):
-            await eventually(lambda: state.seq == 2, "the replayed history")
+            await wait_for_async(lambda: state.seq == 2, "the replayed history")
             assert_holds_exactly(index, "r", ours(a))
             await pub.publish(
                 wire(
@@ -234,10 +227,10 @@ def test_vllm_format_bytes_at_a_gateway_index_re_hashed() -> None:
                 )
             )
             await pub.publish(wire(map_stored([b"\x02" * 32], None, list(range(5, 21)))))
-            await eventually(lambda: state.seq == 4, "the live batches")
+            await wait_for_async(lambda: state.seq == 4, "the live batches")
             assert_holds_exactly(index, "r", {*ours(a)[:4], *ours(b), *ours(list(range(5, 21)))})
             await pub.publish(wire(["BlockRemoved", [11, 12, 13, 14, 21, 22, b"\x02" * 32]]))
-            await eventually(lambda: index.blocks_of("r") == 0, "the removals")
+            await wait_for_async(lambda: index.blocks_of("r") == 0, "the removals")
             assert (state.resyncs, state.errors, state.last_error, state.lag_s()) == (1, 0, None, 0.0)
             assert state.to_json()["transport"] == "zmq" and state.synced
 
@@ -256,11 +249,11 @@ def test_a_gap_is_replayed_or_else_cleared(lost: bool) -> None:
     async def main() -> None:
         async with followed() as (pub, state, index, _):
             await pub.publish(batch(0))
-            await eventually(lambda: state.seq == 0, "the first batch")
+            await wait_for_async(lambda: state.seq == 0, "the first batch")
             await asyncio.sleep(0.2)  # the subscription reaches the publisher
             await pub.publish(batch(1), send=False, keep=not lost)
             await pub.publish(batch(2))
-            await eventually(lambda: state.seq == 2, "the batch after the gap")
+            await wait_for_async(lambda: state.seq == 2, "the batch after the gap")
             if lost:
                 # Batch 1 might have removed blocks: nothing before the hole is trusted.
                 assert (state.resyncs, state.repairs) == (2, 0)
@@ -280,9 +273,9 @@ def test_silence_is_checked_against_the_replay_buffer() -> None:
     async def main() -> None:
         async with followed() as (pub, state, index, _):
             await pub.publish(wire(["AllBlocksCleared"]))
-            await eventually(lambda: state.seq == 0, "the first batch")
+            await wait_for_async(lambda: state.seq == 0, "the first batch")
             await pub.publish(wire(["BlockStored", [1, 2], None, tokens, BS, None]), send=False)
-            await eventually(lambda: state.seq == 1, "the idle check")
+            await wait_for_async(lambda: state.seq == 1, "the idle check")
             assert_holds_exactly(index, "r", ours(tokens))
             assert (state.resyncs, state.repairs) == (1, 1)
 
@@ -298,15 +291,15 @@ def test_a_restarted_publisher_is_told_from_a_blip_by_its_bytes() -> None:
         async with followed() as (pub, state, index, restart):
             await pub.publish(wire(["AllBlocksCleared"]))
             await pub.publish(wire(["BlockStored", [1], None, old, BS, None]))
-            await eventually(lambda: state.seq == 1, "the old publisher's batches")
+            await wait_for_async(lambda: state.seq == 1, "the old publisher's batches")
             await pub.close()
-            await eventually(lambda: not state.connected, "the disconnect")
+            await wait_for_async(lambda: not state.connected, "the disconnect")
             assert state.lag_s() > 0
             fresh = restart()
             await fresh.publish(wire(["AllBlocksCleared"]))
             await fresh.publish(wire(["BlockStored", [1, 2], None, new, BS, None]))
             await fresh.publish(wire(["BlockRemoved", [2]]))
-            await eventually(lambda: state.seq == 2 and state.resyncs == 2, "the resync")
+            await wait_for_async(lambda: state.seq == 2 and state.resyncs == 2, "the resync")
             assert_holds_exactly(index, "r", ours(new)[:1])
             assert state.lag_s() == 0.0
 
@@ -319,11 +312,11 @@ def test_a_malformed_batch_clears_loudly_and_following_goes_on(caplog: pytest.Lo
     async def main() -> None:
         async with followed() as (pub, state, index, _):
             await pub.publish(wire(["BlockStored", [1], None, tokens[:16], BS, None]))
-            await eventually(lambda: state.seq == 0, "the first batch")
+            await wait_for_async(lambda: state.seq == 0, "the first batch")
             await asyncio.sleep(0.2)
             await pub.publish(msgspec.msgpack.encode([1.0, [["BlockStored", "not a list"]]]))
             await pub.publish(wire(["BlockStored", [2], None, tokens[16:], BS, None]))
-            await eventually(lambda: state.seq == 2, "the batch after it")
+            await wait_for_async(lambda: state.seq == 2, "the batch after it")
             assert_holds_exactly(index, "r", chain_hashes(root_hash(MODEL), tokens[16:], BS))
             assert (state.resyncs, state.errors) == (2, 1)
 
@@ -337,14 +330,14 @@ def test_without_a_replay_socket_only_the_live_stream_is_followed() -> None:
     async def main() -> None:
         history = [wire(["BlockStored", [1], None, before, BS, None])]
         async with followed(history, replay=False) as (pub, state, index, _):
-            await eventually(lambda: state.connected, "the connection")
+            await wait_for_async(lambda: state.connected, "the connection")
             await asyncio.sleep(0.2)
             await pub.publish(wire(["BlockStored", [2], None, after, BS, None]))
-            await eventually(lambda: state.seq == 1, "the live batch")
+            await wait_for_async(lambda: state.seq == 1, "the live batch")
             assert_holds_exactly(index, "r", ours(after))
             await pub.publish(wire(["BlockRemoved", [2]]), send=False)
             await pub.publish(wire(["AllBlocksCleared"]))
-            await eventually(lambda: state.seq == 3, "the batch after the gap")
+            await wait_for_async(lambda: state.seq == 3, "the batch after the gap")
             assert state.resyncs == 2
 
     asyncio.run(main())
@@ -422,22 +415,22 @@ def test_a_workers_dropped_messages_are_replayed_or_else_cleared(forget: bool) -
         sync = ZmqSync(index, **(FAST | {"idle_check_s": 2.0}))
         state = sync.start("w", model, BS, ZmqSource(args.kv_events_zmq, f"tcp://127.0.0.1:{replay}"))
         try:
-            await eventually(lambda: state.seq == 0, "the worker's first batch")
+            await wait_for_async(lambda: state.seq == 0, "the worker's first batch")
             await asyncio.sleep(0.2)  # the subscription reaches the publisher
             await asyncio.to_thread(completions, url, family_prompts(1, 20))
             snap = await asyncio.to_thread(snapshot, url)
-            await eventually(lambda: state.seq == snap["seq"] - 1, "the first workload")
+            await wait_for_async(lambda: state.seq == snap["seq"] - 1, "the first workload")
             assert_holds_exactly(index, "w", snap["hashes"])
             repairs = state.repairs
             made[0].drop, made[0].forget = True, forget
             await asyncio.to_thread(completions, url, family_prompts(2, 20))
             dropped = (await asyncio.to_thread(snapshot, url))["seq"]
-            await eventually(lambda: made[0].published_seq >= dropped, "the dropped batches")
+            await wait_for_async(lambda: made[0].published_seq >= dropped, "the dropped batches")
             made[0].drop = False
             fresh = list(range(60000, 60032))
             await asyncio.to_thread(completions, url, [fresh])
             snap = await asyncio.to_thread(snapshot, url)
-            await eventually(lambda: state.seq == snap["seq"] - 1, "the batches after the gap")
+            await wait_for_async(lambda: state.seq == snap["seq"] - 1, "the batches after the gap")
             if forget:
                 assert (state.resyncs, state.repairs) == (2, repairs)
                 held = [h for h in snap["hashes"] if index.holds("w", h)]
@@ -526,13 +519,6 @@ def on_loop(gateway: RunningGateway, read: Callable[[], Any]) -> Any:
     return asyncio.run_coroutine_threadsafe(call(), gateway.server.loop).result(10)
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def exact(gateway: RunningGateway, worker: WorkerProcess) -> bool:
     """The gateway's index for the worker is the worker's cached set, no more and no less."""
     hashes = snapshot(worker.url)["hashes"]
@@ -559,19 +545,39 @@ def test_a_gateway_follows_foreign_worker_processes_exactly_through_a_restart(
     assert len(distinct) > 2 * 256, "the two pools of 256 blocks were meant to evict"
     completions(gateway.url, prompts, SIM_MODEL)
     for worker in workers:
-        wait_until(lambda w=worker: exact(gateway, w), f"{worker.id}'s index to equal its cache")
+        wait_for(
+            lambda w=worker: exact(gateway, w),
+            f"{worker.id}'s index to equal its cache",
+            timeout=20,
+            interval=0.05,
+        )
     before = snapshot(workers[0].url)["hashes"]
     assert before and all(s.skipped == Counter() for s in states.values())
 
     workers[0].kill()
     workers[0].start()  # a new process on the same ports: its numbers start over at 0
-    wait_until(lambda: states["zmq-a"].resyncs == 2, "the restarted publisher to be noticed")
-    wait_until(lambda: exact(gateway, workers[0]), "zmq-a's index to equal its empty cache")
+    wait_for(
+        lambda: states["zmq-a"].resyncs == 2,
+        "the restarted publisher to be noticed",
+        timeout=20,
+        interval=0.05,
+    )
+    wait_for(
+        lambda: exact(gateway, workers[0]),
+        "zmq-a's index to equal its empty cache",
+        timeout=20,
+        interval=0.05,
+    )
     assert not any(on_loop(gateway, lambda h=h: gateway.gw.index.holds("zmq-a", h)) for h in before)
     gateway.wait_routable(2, timeout=20)
     completions(gateway.url, family_prompts(4, 40), SIM_MODEL)
     for worker in workers:
-        wait_until(lambda w=worker: exact(gateway, w), f"{worker.id}'s index to equal its cache again")
+        wait_for(
+            lambda w=worker: exact(gateway, w),
+            f"{worker.id}'s index to equal its cache again",
+            timeout=20,
+            interval=0.05,
+        )
     assert states["zmq-b"].resyncs == 1
 
 
@@ -623,7 +629,7 @@ def test_the_admin_api_and_the_metrics_show_a_zmq_follower(
         }
         gateway = start_gateway([], wait_for=1, replicas=[entry], auth={"admin_token_env": "ZMQ_TEST_ADMIN"})
         state = gateway.gw.zmq_sync.states["vllm"]
-        wait_until(lambda: state.seq == 0, "the replayed batch")
+        wait_for(lambda: state.seq == 0, "the replayed batch", timeout=20, interval=0.05)
         body = {"model": SIM_MODEL, "prompt": [*tokens, *range(1, 33)], "max_tokens": 1}
         response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=10)
         assert response.headers["x-prefixgate-matched-blocks"] == "4"

@@ -1,7 +1,7 @@
 """Security tests send hostile input through real processes: the gateway tests' fleets, shared, and the
-fault tests' `fleet` for gateways or workers that must be processes of their own."""
+fault tests' `fleet` for gateways or workers that must be processes of their own
+(tests/support/fixtures.py)."""
 
-from tests.faults.conftest import fleet
-from tests.gateway.conftest import recording_backend, start_gateway, start_sim_worker
+from tests.support.fixtures import fleet, recording_backend, start_gateway, start_sim_worker
 
 __all__ = ["fleet", "recording_backend", "start_gateway", "start_sim_worker"]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from tests.gateway.conftest import SIM_MODEL, RunningGateway, SimWorker, assert_openai_error
+from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker, assert_openai_error
 
 ADMIN_ENV = "TEST_PG_SECURITY_ADMIN"
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from protocol.openai_api import MAX_JSON_DEPTH
-from tests.gateway.conftest import SIM_MODEL, RecordingBackend, RunningGateway, SimWorker, assert_openai_error
+from tests.support.gateways import SIM_MODEL, RecordingBackend, RunningGateway, SimWorker, assert_openai_error
 
 KEYS_ENV, ADMIN_ENV = "TEST_PG_SECURITY_KEYS", "TEST_PG_SECURITY_ADMIN"
 KEY, ADMIN = "key-ascii-1", "admin-ascii-1"

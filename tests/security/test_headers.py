@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.gateway.conftest import SIM_MODEL, RunningGateway, SimWorker
+from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker
 
 FOREIGN = "foreign-m"
 MESSAGES = [{"role": "user", "content": "hi"}]

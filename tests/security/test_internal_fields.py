@@ -17,7 +17,7 @@ import pytest
 
 from protocol.disaggregation import TRANSFERRED_TOKENS_HEADER
 from protocol.transfer_auth import SECRET_ENV
-from tests.gateway.conftest import SIM_MODEL, RecordingBackend, RunningGateway, SimWorker
+from tests.support.gateways import SIM_MODEL, RecordingBackend, RunningGateway, SimWorker
 
 MODEL = "foreign-m"
 SECRET = "a-test-kv-transfer-secret"

@@ -26,9 +26,10 @@ from aiohttp import web
 from protocol.disaggregation import PREFILL_ERROR_HEADER, TRANSFERRED_TOKENS_HEADER
 from protocol.transfer_auth import grant, order_signature, push_signature
 from radix import block_hashes
-from tests.gateway.conftest import SIM_MODEL, SimWorker
-from tests.workers.conftest import ServerThread
-from tests.workers.test_kv_transfer import ArrayStore, filled
+from tests.support.gateways import SIM_MODEL, SimWorker
+from tests.support.kv_stores import ArrayStore, filled
+from tests.support.polling import wait_for
+from tests.support.servers import ServerThread
 from workers.kv_transfer import MAGIC, NoKV, TransferError, TransferServer, send_blocks
 from workers.server import RUNTIME
 
@@ -51,13 +52,6 @@ def signed(url: str, secret: str = SECRET, ttl_s: float = 30.0) -> dict[str, Any
 
 def cached_tokens(response: httpx.Response) -> int:
     return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 @dataclass
@@ -157,7 +151,7 @@ def test_a_forged_push_for_an_observed_transfer_writes_nothing(
     assert reply.startswith("refused") and "expected here from this sender" in reply
     assert served.headers[TRANSFERRED_TOKENS_HEADER] == "0" and cached_tokens(served) == 0
     assert "pushed nothing" in served.headers[PREFILL_ERROR_HEADER]
-    wait_for(lambda: blocks_used(decode) == 0)
+    wait_for(lambda: blocks_used(decode) == 0, "the decode worker to hold no blocks")
     # What it holds now it computed itself; and asked again, it reports that, not forged blocks.
     assert set(HASHES) <= cached_hashes(decode)
 
@@ -170,7 +164,7 @@ def test_the_same_push_signed_with_the_fleets_secret_lands(
     served = completion(decode, signed(peer.url))
     assert peer.replies == ["accepted 2"]
     assert served.headers[TRANSFERRED_TOKENS_HEADER] == "32" and cached_tokens(served) == 32
-    wait_for(lambda: blocks_used(decode) == 0)
+    wait_for(lambda: blocks_used(decode) == 0, "the decode worker to hold no blocks")
 
 
 @pytest.mark.parametrize(
@@ -273,7 +267,10 @@ def test_a_prefill_that_never_pushes_frees_the_reservation_soon(
     peer = fake_prefill(mode)
     seen: list[int] = []
     watching = threading.Thread(
-        target=lambda: (wait_for(lambda: len(peer.orders) == 1), seen.append(blocks_used(decode)))
+        target=lambda: (
+            wait_for(lambda: len(peer.orders) == 1, "the order to reach the peer"),
+            seen.append(blocks_used(decode)),
+        )
     )
     watching.start()
     start = time.monotonic()
@@ -291,7 +288,7 @@ def test_a_prefill_that_never_pushes_frees_the_reservation_soon(
             took >= puller.deadline_s(2) - 0.5
             and "did not push within" in served.headers[PREFILL_ERROR_HEADER]
         )
-    wait_for(lambda: blocks_used(decode) == 0)
+    wait_for(lambda: blocks_used(decode) == 0, "the decode worker to hold no blocks")
     assert not puller.transfer._expected, "the receiver expects nothing any more"
 
 

@@ -22,8 +22,10 @@ import redis
 from protocol.redis_keys import PREDICTIONS, WORKERS, kv_stream_key, load_key, worker_key
 from radix.hashing import block_hashes
 from radix.index import RadixIndex
-from tests.conftest import free_port, private_redis
-from tests.gateway.conftest import SIM_MODEL, RunningGateway, SimWorker
+from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker
+from tests.support.polling import wait_for
+from tests.support.redis import private_redis
+from tests.support.servers import free_port
 
 FAST = {"heartbeat": "0.2", "load-period": "0.05"}
 
@@ -46,14 +48,6 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 def worker(start: Callable[..., SimWorker], redis_url: str, worker_id: str, **flags: str) -> SimWorker:
     options = FAST | flags
     return start(worker_id, "--redis", redis_url, *(f"--{k}={v}" for k, v in options.items()))
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
 
 
 def gateway_on(

@@ -19,8 +19,8 @@ import redis
 
 from protocol.models import load_tokenizer_spec
 from protocol.redis_keys import PREDICTIONS
-from tests.gateway.conftest import SIM_MODEL, RecordingBackend, RunningGateway, SimWorker
-from tests.gateway.test_shared_state import wait_for
+from tests.support.gateways import SIM_MODEL, RecordingBackend, RunningGateway, SimWorker
+from tests.support.polling import wait_for
 
 MILLION_IDS = [1 + (7 * i) % 49_000 for i in range(1_000_000)]
 # Made-up words, which SmolLM2's tokenizer splits into several tokens each and a words worker counts
@@ -84,7 +84,7 @@ def test_a_million_ids_are_forwarded_whole_and_recorded_and_published_by_their_h
         entries = client.xrevrange(PREDICTIONS, count=100)
         return [fields for _, fields in entries if fields.get(b"gateway") == mine]
 
-    (entry,) = wait_for(published, "the prediction to reach Redis")
+    (entry,) = wait_for(published, "the prediction to reach Redis", timeout=5)
     assert len(json.loads(entry[b"hashes"])) == limit // 16
     assert sum(len(k) + len(v) for k, v in entry.items()) < 200_000
     sound(gateway, SIM_MODEL)
@@ -114,7 +114,7 @@ def test_a_text_past_the_bound_routes_by_its_head_and_the_worker_tokenizes_it(
     # Tokenized whole by the gateway: its ids were attached, and the worker counted those.
     assert first.json()["usage"]["prompt_tokens"] == len(smol.encode(prefix))
     blocks = len(smol.encode(prefix)) // 16
-    wait_for(lambda: gateway.gw.index.blocks_of(holder) >= blocks, "the holder's KV events")
+    wait_for(lambda: gateway.gw.index.blocks_of(holder) >= blocks, "the holder's KV events", timeout=5)
 
     long = prefix + " " + words(3000, seed=2)
     again = complete(long)
@@ -132,7 +132,7 @@ def test_long_prompts_never_hold_up_a_short_one(
     the event loop) for seconds, and a short request waited behind all of them."""
     backend, url = recording_backend("a")
     gateway = start_gateway([url], models={"foreign-m": {"tokenizer": "default"}})
-    wait_for(lambda: gateway.gw.tokenizers.is_loaded("foreign-m"), "the tokenizer")
+    wait_for(lambda: gateway.gw.tokenizers.is_loaded("foreign-m"), "the tokenizer", timeout=5)
     finished: dict[str, float] = {}
     statuses: dict[str, int] = {}
 

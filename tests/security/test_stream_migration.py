@@ -22,8 +22,8 @@ from aiohttp import web
 from bench.chaos import Fleet, sim_profile, start_worker, streams_replica_killed, wait_ready
 from bench.local_fleet import Child, cli, free_port, spawn
 from gateway.migration import MAX_EVENT_BYTES, Sent, StreamTap, continuation_body
-from tests.gateway.conftest import SIM_MODEL, RunningGateway
-from tests.workers.conftest import ServerThread
+from tests.support.gateways import SIM_MODEL, RunningGateway
+from tests.support.servers import ServerThread
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 # Slow simulated steps: a 48-token answer streams for about 2.5 s, long enough to be cut.

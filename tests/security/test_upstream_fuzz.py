@@ -25,8 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.gateway.conftest import RunningGateway
-from tests.security.test_upstream_client import (
+from tests.support.gateways import RunningGateway
+from tests.support.raw_replicas import (
     OK_JSON,
     OK_SSE,
     Answer,

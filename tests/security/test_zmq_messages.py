@@ -21,8 +21,9 @@ from aiohttp import web
 
 from protocol.vllm_kv_events import MAX_PAYLOAD_BYTES, REPLAY_END
 from radix.hashing import block_hashes
-from tests.gateway.conftest import SIM_MODEL, RunningGateway, foreign_backend
-from tests.workers.test_zmq_publisher import distinct_ports
+from tests.support.gateways import SIM_MODEL, RunningGateway, foreign_backend
+from tests.support.polling import wait_for
+from tests.support.servers import distinct_ports
 
 BS = 16
 
@@ -100,14 +101,6 @@ def stored(tokens: list[int], hashes: list[Any], parent: Any = None, **fields: A
         "medium": "GPU",
         "lora_name": None,
     } | fields
-
-
-def wait_for(condition: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
 
 
 def rejected(gateway: RunningGateway) -> float:

@@ -7,7 +7,7 @@ import asyncio
 import threading
 import time
 
-from tests.workers.sim.test_sim_engine import SMALL
+from tests.support.sims import SMALL
 from workers.engine.llm import AsyncLLM
 from workers.engine.sampling_params import SamplingParams
 from workers.sim.engine import SimEngine

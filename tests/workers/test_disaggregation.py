@@ -10,7 +10,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -18,16 +17,14 @@ import pytest
 from protocol.disaggregation import PREFILL_ERROR_HEADER, TRANSFERRED_TOKENS_HEADER
 from protocol.transfer_auth import grant, order_signature
 from radix.hashing import block_hashes
-from tests.workers.test_server import idle, random_ids, slow_down, wait_for
+from tests.support.polling import wait_for
+from tests.support.workers import RunningWorker, StartWorker, idle, random_ids, slow_down
 from workers.engine.engine import EngineConfig
 from workers.kv_events import KVEventLog
 from workers.server import Worker
 from workers.sim.engine import SimEngine
 from workers.sim.profiles import CPU_SMOLLM2
 from workers.sim.runner import VirtualClock
-
-if TYPE_CHECKING:
-    from tests.workers.conftest import RunningWorker, StartWorker
 
 CONFIG = EngineConfig(block_size=4, num_blocks=256)
 # The fleet's KV transfer secret: every worker here holds it, and the tests sign as the gateway would.
@@ -92,7 +89,7 @@ def test_decode_pulls_the_prompt_and_matches_a_mixed_worker(
     assert set(decode_hashes) <= prefill.engine.block_manager.cached_hashes()
     again = complete(decode, [*prompt, 7, 8, 9], prefill.url)
     assert again.headers[TRANSFERRED_TOKENS_HEADER] == "0" and cached_of(again) == 36
-    wait_for(lambda: idle(prefill) and idle(decode))
+    wait_for(lambda: idle(prefill) and idle(decode), "both workers to be idle")
 
 
 def test_only_the_blocks_the_decode_worker_lacks_move(
@@ -142,7 +139,7 @@ def test_an_unreachable_prefill_worker_costs_only_time(
     assert "cannot connect" in served.headers[PREFILL_ERROR_HEADER].lower()
     assert tokens_of(served) == tokens_of(complete(mixed, prompt))
     assert cached_of(served) == 0
-    wait_for(lambda: idle(decode))
+    wait_for(lambda: idle(decode), "the decode worker to be idle")
     metrics = httpx.get(f"{decode.url}/metrics").text
     assert 'prefixgate_worker_kv_pull_failures_total{model_name="tiny-llama"} 1.0' in metrics
 
@@ -216,10 +213,14 @@ def test_a_client_leaving_mid_transfer_releases_the_reservation(
     leaving = threading.Thread(target=client)
     leaving.start()
     # The prompt's 9 reusable blocks are reserved while the (silent) prefill worker is waited for.
-    wait_for(lambda: httpx.get(f"{decode.url}/load").json()["kv_blocks_used"] == 9, timeout=5)
+    wait_for(
+        lambda: httpx.get(f"{decode.url}/load").json()["kv_blocks_used"] == 9,
+        "the decode worker to reserve 9 blocks",
+        timeout=5,
+    )
     leaving.join()
     assert outcome, "the request should have hung until the client left"
-    wait_for(lambda: idle(decode), timeout=5)
+    wait_for(lambda: idle(decode), "the decode worker to be idle", timeout=5)
     assert decode.engine.block_manager.num_cached_blocks == 0, "nothing arrived, nothing is registered"
 
 
@@ -236,7 +237,7 @@ def test_a_stalled_receiver_frees_the_prefill_sides_held_blocks(
     }
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{prefill.url}/kv/prefill", json=order, timeout=httpx.Timeout(10, read=1.0))
-    wait_for(lambda: idle(prefill), timeout=5)
+    wait_for(lambda: idle(prefill), "the prefill worker to be idle", timeout=5)
     # It computed the prompt's 8 reusable blocks, which stay cached, and holds none of them any more.
     assert len(prefill.engine.block_manager.cached_hashes()) == 8
 
@@ -258,7 +259,7 @@ def test_simulated_workers_pair_up_with_hashes_and_no_bytes(serve: Callable[...,
     assert set(hashes) <= decode.engine.block_manager.cached_hashes()
     snapshot = httpx.get(f"{decode.url}/kv/snapshot").json()
     assert set(hashes) <= set(snapshot["hashes"])
-    wait_for(lambda: idle(prefill) and idle(decode))
+    wait_for(lambda: idle(prefill) and idle(decode), "both workers to be idle")
 
 
 def test_a_decode_worker_without_room_waits_for_it_rather_than_prefill_itself(
@@ -277,13 +278,15 @@ def test_a_decode_worker_without_room_waits_for_it_rather_than_prefill_itself(
 
     hogging = threading.Thread(target=run_hog)
     hogging.start()
-    wait_for(lambda: httpx.get(f"{decode.url}/load").json()["running"] == 1)
+    wait_for(
+        lambda: httpx.get(f"{decode.url}/load").json()["running"] == 1, "the hog to run on the decode worker"
+    )
     pulled = complete(decode, random_ids(37, 13), prefill.url, max_tokens=4)
     finished = time.monotonic()
     hogging.join()
     assert pulled.headers[TRANSFERRED_TOKENS_HEADER] == "36", pulled.headers.get(PREFILL_ERROR_HEADER)
     assert done and done[0] <= finished
-    wait_for(lambda: idle(decode))
+    wait_for(lambda: idle(decode), "the decode worker to be idle")
 
 
 def test_no_room_past_the_wait_computes_locally_without_blaming_the_prefill_worker(
@@ -299,11 +302,13 @@ def test_no_room_past_the_wait_computes_locally_without_blaming_the_prefill_work
         target=lambda: httpx.post(f"{decode.url}/v1/completions", json=hog, timeout=60).raise_for_status()
     )
     hogging.start()
-    wait_for(lambda: httpx.get(f"{decode.url}/load").json()["running"] == 1)
+    wait_for(
+        lambda: httpx.get(f"{decode.url}/load").json()["running"] == 1, "the hog to run on the decode worker"
+    )
     served = complete(decode, random_ids(37, 15), prefill.url, max_tokens=4)
     hogging.join()
     assert served.headers[TRANSFERRED_TOKENS_HEADER] == "0"
     assert PREFILL_ERROR_HEADER not in served.headers, "the decode worker's lack of room is its own"
     metrics = httpx.get(f"{decode.url}/metrics").text
     assert 'prefixgate_worker_kv_pull_failures_total{model_name="tiny-llama"} 1.0' in metrics
-    wait_for(lambda: idle(decode) and idle(prefill))
+    wait_for(lambda: idle(decode) and idle(prefill), "both workers to be idle")

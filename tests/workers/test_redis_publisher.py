@@ -12,9 +12,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,37 +24,16 @@ import redis
 
 from protocol.kv_events import EventBatch, apply_batches
 from protocol.redis_keys import WORKERS, kv_stream_key, load_key, worker_key
-from tests.conftest import free_port, start_redis_server
-from tests.workers.conftest import ServerThread
+from tests.support.polling import wait_for
+from tests.support.publishers import BLOCK_SIZE, PublishedWorker, StartWorker
+from tests.support.redis import start_redis_server
+from tests.support.servers import ServerThread, free_port
 from workers.kv_events import KVEventLog
 from workers.redis_publisher import PublisherConfig, redis_context
 from workers.server import Worker, create_app
 from workers.sim.engine import SimEngine
 from workers.sim.profiles import CPU_SMOLLM2
 from workers.sim.runner import RealClock, SimClock, VirtualClock
-
-BLOCK_SIZE = 4
-
-
-@dataclass
-class PublishedWorker:
-    url: str
-    worker_id: str
-    sim: SimEngine
-    events: KVEventLog
-    server: ServerThread
-
-    def complete(self, ids: list[int], max_tokens: int, **extra: Any) -> httpx.Response:
-        body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
-        response = httpx.post(f"{self.url}/v1/completions", json=body, timeout=30)
-        assert response.status_code == 200, response.text
-        return response
-
-    def snapshot(self) -> dict[str, Any]:
-        return httpx.get(f"{self.url}/kv/snapshot").json()
-
-
-StartWorker = Callable[..., PublishedWorker]
 
 
 @pytest.fixture
@@ -129,19 +108,11 @@ def published_seqs(r: redis.Redis, worker_id: str) -> list[int]:
     return [int(fields["seq"]) for _, fields in r.xrange(kv_stream_key(worker_id))]
 
 
-def wait_until(condition: Callable[[], Any], timeout: float = 5.0, what: str = "the condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
-
-
 def caught_up(r: redis.Redis, worker: PublishedWorker) -> int:
     """The worker's latest seq, once the stream holds it."""
     seq = worker.snapshot()["seq"]
-    wait_until(
-        lambda: (published_seqs(r, worker.worker_id) or [0])[-1] >= seq, what=f"seq {seq} in the stream"
+    wait_for(
+        lambda: (published_seqs(r, worker.worker_id) or [0])[-1] >= seq, f"seq {seq} in the stream", timeout=5
     )
     return seq
 
@@ -239,7 +210,7 @@ def test_b_a_restarted_worker_publishes_a_new_incarnation(r: redis.Redis, start:
 def test_c_the_registry_entry_lives_with_the_worker(r: redis.Redis, start: StartWorker) -> None:
     worker = start("w-registry", heartbeat_s=0.2)
     key = worker_key("w-registry")
-    wait_until(lambda: r.exists(key), what="the registry entry")
+    wait_for(lambda: r.exists(key), "the registry entry", timeout=5)
     health = httpx.get(f"{worker.url}/health").json()
     assert r.hgetall(key) == {
         "id": "w-registry",
@@ -266,7 +237,7 @@ def test_c_an_exiting_worker_leaves_a_newer_incarnations_entry_alone(
 ) -> None:
     worker = start("w-guard", heartbeat_s=30)
     key = worker_key("w-guard")
-    wait_until(lambda: r.exists(key), what="the registry entry")
+    wait_for(lambda: r.exists(key), "the registry entry", timeout=5)
     r.hset(key, "incarnation", "newer")  # a restarted process with the same id got there first
     worker.server.stop()
     assert r.hget(key, "incarnation") == "newer" and r.sismember(WORKERS, "w-guard")
@@ -277,15 +248,23 @@ def test_c_an_exiting_worker_leaves_a_newer_incarnations_entry_alone(
 def test_d_load_reports_follow_running_requests(r: redis.Redis, start: StartWorker) -> None:
     worker = start("w-load", clock=RealClock(), load_period_s=0.05)
     key = load_key("w-load")
-    idle = json.loads(wait_until(lambda: r.get(key), what="a load report"))
+    idle = json.loads(wait_for(lambda: r.get(key), "a load report", timeout=5))
     assert (idle["running"], idle["kv_blocks_used"], idle["kv_blocks_total"]) == (0, 0, 64)
     # About 25 modelled steps of 60-70 ms: well over a second of running.
     request = threading.Thread(target=worker.complete, args=(list(range(3000, 3040)), 24))
     request.start()
-    busy = wait_until(lambda: (load := json.loads(r.get(key) or "{}")).get("running") == 1 and load)
+    busy = wait_for(
+        lambda: (load := json.loads(r.get(key) or "{}")).get("running") == 1 and load,
+        "a load report with the request running",
+        timeout=5,
+    )
     assert busy["kv_blocks_used"] >= 10 and busy["ts"] > idle["ts"]
     request.join(30)
-    done = wait_until(lambda: (load := json.loads(r.get(key) or "{}")).get("running") == 0 and load)
+    done = wait_for(
+        lambda: (load := json.loads(r.get(key) or "{}")).get("running") == 0 and load,
+        "a load report with the request done",
+        timeout=5,
+    )
     assert done["ts"] > busy["ts"] and done["kv_blocks_used"] == 0
     assert 0 < r.pttl(key) <= 1000
 
@@ -303,7 +282,7 @@ def test_the_worker_serves_through_a_redis_outage_and_publishes_once_it_returns(
     proc = start_redis_server(port, tmp_path)
     try:
         back = redis.Redis(port=port, decode_responses=True)
-        wait_until(lambda: back.exists(worker_key("w-outage")), what="re-registration")
+        wait_for(lambda: back.exists(worker_key("w-outage")), "re-registration", timeout=5)
         seq = caught_up(back, worker)
         assert published_seqs(back, "w-outage") == list(range(1, seq + 1))  # the ring kept them all
         consumer = StreamConsumer(back, worker)
@@ -341,7 +320,7 @@ def test_the_cli_worker_registers_and_its_entry_expires_when_it_dies(r: redis.Re
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             return r.hgetall(worker_key("w-cli"))
 
-        entry = wait_until(registered, 60, "the registry entry")
+        entry = wait_for(registered, "the registry entry", timeout=60)
         assert (entry["url"], entry["backend"], entry["block_size"]) == (
             "http://worker.example:9",
             "sim",
@@ -351,6 +330,6 @@ def test_the_cli_worker_registers_and_its_entry_expires_when_it_dies(r: redis.Re
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=30)
-    wait_until(lambda: not r.exists(worker_key("w-cli")), 2.0, "the entry to expire")
+    wait_for(lambda: not r.exists(worker_key("w-cli")), "the entry to expire", timeout=2.0)
     assert r.sismember(WORKERS, "w-cli")  # a stale member: readers must check the entry
     r.srem(WORKERS, "w-cli")

@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import httpx
 import openai
@@ -17,15 +16,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.kv_events import EventBatch, apply_batches
+from tests.support.polling import wait_for
+from tests.support.workers import RunningWorker, StartWorker, idle, load, random_ids, slow_down
 from workers.engine.engine import EngineConfig
 from workers.kv_events import KVEventLog
 from workers.server import Worker
 from workers.sim.engine import SimEngine
 from workers.sim.profiles import CPU_SMOLLM2
 from workers.sim.runner import VirtualClock
-
-if TYPE_CHECKING:
-    from tests.workers.conftest import RunningWorker, StartWorker
 
 LONG = {"ignore_eos": True}
 
@@ -43,46 +41,10 @@ def error_of(response: httpx.Response, status: int) -> dict:
     return body["error"]
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
-
-
-def slow_down(worker: RunningWorker, seconds: float) -> None:
-    """Make every engine step take at least `seconds`, so that a request is still running when the
-    test acts on it (the tiny model is otherwise done in milliseconds)."""
-    engine = worker.engine
-    step = engine.step
-
-    def slow_step() -> list:
-        time.sleep(seconds)
-        return step()
-
-    engine.step = slow_step  # type: ignore[method-assign]
-
-
 def first_event(lines: Iterator[str]) -> str:
     """The first SSE data line. The caller keeps `lines` alive: a dropped httpx line iterator
     closes its connection, which is a disconnect."""
     return next(line for line in lines if line.startswith("data: "))
-
-
-def load(worker: RunningWorker) -> dict:
-    return httpx.get(f"{worker.url}/load", timeout=10).json()
-
-
-def idle(worker: RunningWorker) -> bool:
-    """No sequence running or waiting, and every KV block released."""
-    now = load(worker)
-    return now["running"] == now["waiting"] == now["kv_blocks_used"] == 0
-
-
-def random_ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000, 40000) for _ in range(n)]
 
 
 # -- OpenAI endpoints ---------------------------------------------------------------------------
@@ -282,7 +244,7 @@ def test_n_completion_choices_share_one_prompt(tiny_worker: RunningWorker) -> No
     raw = httpx.post(f"{tiny_worker.url}/v1/completions", json={"prompt": ids, "max_tokens": 2, "n": 3})
     assert raw.headers["x-prefixgate-cached-tokens"] == "16"
     assert raw.json()["usage"]["completion_tokens"] == 6
-    wait_for(lambda: idle(tiny_worker))
+    wait_for(lambda: idle(tiny_worker), "the worker to be idle")
 
 
 def test_n_chat_choices_greedy_are_all_the_single_choice(tiny_worker: RunningWorker) -> None:
@@ -298,7 +260,7 @@ def test_n_chat_choices_greedy_are_all_the_single_choice(tiny_worker: RunningWor
     assert [c.message.content for c in done.choices] == [single.choices[0].message.content] * 3
     assert all(c.message.role == "assistant" and c.finish_reason == "length" for c in done.choices)
     assert done.usage.prompt_tokens == single.usage.prompt_tokens and done.usage.completion_tokens == 18
-    wait_for(lambda: idle(tiny_worker))
+    wait_for(lambda: idle(tiny_worker), "the worker to be idle")
 
 
 def test_n_streamed_completion_choices(tiny_worker: RunningWorker) -> None:
@@ -336,7 +298,7 @@ def test_n_streamed_completion_choices(tiny_worker: RunningWorker) -> None:
     ) as raw:
         frames = [line for line in raw.iter_lines() if line]
     assert frames.count("data: [DONE]") == 1 and frames[-1] == "data: [DONE]"
-    wait_for(lambda: idle(tiny_worker))
+    wait_for(lambda: idle(tiny_worker), "the worker to be idle")
 
 
 def test_n_streamed_chat_choices_each_open_and_finish(tiny_worker: RunningWorker) -> None:
@@ -360,7 +322,7 @@ def test_n_streamed_chat_choices_each_open_and_finish(tiny_worker: RunningWorker
         (c.choices[0].index, c.choices[0].finish_reason) for c in chunks if c.choices[0].finish_reason
     ]
     assert sorted(finishes) == [(0, "length"), (1, "length"), (2, "length")]
-    wait_for(lambda: idle(tiny_worker))
+    wait_for(lambda: idle(tiny_worker), "the worker to be idle")
 
 
 def test_n_choices_default_max_tokens_fits_the_pool_and_refusals(make_worker: StartWorker) -> None:
@@ -375,7 +337,7 @@ def test_n_choices_default_max_tokens_fits_the_pool_and_refusals(make_worker: St
     assert "n=5" in error_of(too_many, 400)["message"]
     too_big = httpx.post(f"{worker.url}/v1/completions", json={"prompt": [5] * 100, "max_tokens": 60, "n": 4})
     assert "KV blocks" in error_of(too_big, 400)["message"]
-    wait_for(lambda: idle(worker))
+    wait_for(lambda: idle(worker), "the worker to be idle")
 
 
 def test_a_client_leaving_aborts_all_its_choices(make_worker: StartWorker) -> None:
@@ -390,7 +352,7 @@ def test_a_client_leaving_aborts_all_its_choices(make_worker: StartWorker) -> No
         first_event(lines)
         busy = load(worker)
         assert busy["running"] == 3 and busy["kv_blocks_used"] > 0
-    wait_for(lambda: idle(worker), timeout=3)
+    wait_for(lambda: idle(worker), "the worker to be idle", timeout=3)
 
 
 # -- refusals -------------------------------------------------------------------------------------
@@ -532,7 +494,7 @@ def test_a_client_leaving_mid_stream_aborts_its_sequence(make_worker: StartWorke
         busy = load(worker)
         assert busy["running"] == 1 and busy["kv_blocks_used"] > 0
     # 400 tokens at >= 20 ms a step would take 8 s: the sequence must be gone long before.
-    wait_for(lambda: idle(worker), timeout=3)
+    wait_for(lambda: idle(worker), "the worker to be idle", timeout=3)
     metrics = httpx.get(f"{worker.url}/metrics").text
     assert 'prefixgate_worker_requests_total{endpoint="/v1/completions",status="499"} 1.0' in metrics
 
@@ -543,7 +505,7 @@ def test_a_client_leaving_a_non_streaming_request_aborts_it(make_worker: StartWo
     body = {"prompt": random_ids(40, seed=4), "max_tokens": 400, **LONG}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{worker.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
-    wait_for(lambda: idle(worker), timeout=3)
+    wait_for(lambda: idle(worker), "the worker to be idle", timeout=3)
 
 
 def test_an_over_full_queue_answers_429_with_retry_after(make_worker: StartWorker) -> None:
@@ -560,7 +522,7 @@ def test_an_over_full_queue_answers_429_with_retry_after(make_worker: StartWorke
                 json={"prompt": "queued", "max_tokens": 2},
                 timeout=20,
             )
-            wait_for(lambda: load(worker)["waiting"] == 1)
+            wait_for(lambda: load(worker)["waiting"] == 1, "one request waiting")
             refused = httpx.post(
                 f"{worker.url}/v1/completions", json={"prompt": "one too many", "max_tokens": 2}
             )
@@ -680,7 +642,7 @@ def test_an_event_consumer_holds_exactly_the_workers_cached_set(make_worker: Sta
     stop.set()
     follower.join()
     late = Consumer(worker.url)
-    wait_for(lambda: idle(worker))
+    wait_for(lambda: idle(worker), "the worker to be idle")
     live.catch_up()
     late.catch_up()
     truth = set(worker.engine.block_manager.cached_hashes())

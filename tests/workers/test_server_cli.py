@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,15 +14,10 @@ import httpx
 import pytest
 
 from gateway.cli import build_parser
+from tests.support.servers import free_port
 from workers.cli import engine_config, parse_bytes
 
 pytestmark = pytest.mark.fleet
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_byte_counts() -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from tests.workers.conftest import RunningWorker
+    from tests.support.workers import RunningWorker
 
 GREEDY = {"temperature": 0, "max_tokens": 8}
 

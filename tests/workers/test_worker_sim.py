@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from gateway.cli import build_parser
-from tests.workers.conftest import ServerThread
+from tests.support.servers import ServerThread
 from workers.cli import advertise_url, build_engine, build_worker, engine_config, extra_contexts
 from workers.kv_events import KVEventLog
 from workers.server import Worker, create_app

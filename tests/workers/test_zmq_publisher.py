@@ -4,9 +4,7 @@ the tokens of every stored block), and its replay socket answers vLLM's replay p
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 
 import httpx
@@ -25,22 +23,13 @@ from protocol.vllm_kv_events import (
     replay_request,
 )
 from radix.hashing import chain_hashes, root_hash
-from tests.workers.conftest import ServerThread
+from tests.support.servers import ServerThread, distinct_ports
 from workers.cli import build_worker, extra_contexts
 from workers.kv_events import KVEventLog
 from workers.server import RUNTIME, Worker, create_app
 from workers.zmq_publisher import ZmqPublisher, ZmqPublisherConfig
 
 BLOCK_SIZE = 16
-
-
-def distinct_ports(count: int) -> list[int]:
-    """Loopback ports nothing listens on now, all different (each held open until all are chosen)."""
-    with ExitStack() as stack:
-        held = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in held:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in held]
 
 
 @dataclass

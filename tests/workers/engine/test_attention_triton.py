@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.workers.engine.test_engine import prompts, run
+from tests.support.engines import prompts, run
 from workers.engine.attention import (
     BackendUnavailableError,
     TritonBackend,

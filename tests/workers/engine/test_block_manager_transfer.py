@@ -4,7 +4,7 @@ KV arriving from another worker, installed as if computed here, and nothing leak
 from __future__ import annotations
 
 from radix.hashing import block_hashes
-from tests.workers.engine.test_block_manager import MODEL, make_manager, make_seq, prefill
+from tests.support.block_managers import MODEL, make_manager, make_seq, prefill
 from workers.engine.block_manager import BlockManager
 
 

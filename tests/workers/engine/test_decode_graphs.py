@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from tests.workers.engine.moe_models import mixtral, save
-from tests.workers.engine.test_engine import prompts
+from tests.support.engines import prompts
+from tests.support.moe_models import mixtral, save
 from workers.engine.attention import BackendUnavailableError
 from workers.engine.batch import ScheduledChunk
 from workers.engine.decode_graphs import BATCH_LADDER, DecodeGraphs, batch_sizes_for

@@ -10,33 +10,14 @@ from unittest import mock
 
 import pytest
 
-from tests.workers.conftest import hf_greedy
+from tests.support.engines import GREEDY, MAX_NEW, prompts, run
+from tests.support.hf_models import hf_greedy
 from workers.engine.batch import ScheduledChunk, StepOutput
 from workers.engine.engine import Engine, EngineConfig, PromptTooLong
 from workers.engine.llm import LLM, AsyncLLM
 from workers.engine.loader import LoadedModel
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import UnschedulableSequence
-
-MAX_NEW = 12
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-
-
-def prompts(
-    vocab: int, lengths: tuple[int, ...] = (3, 9, 16, 17, 31, 40, 64, 90), seed: int = 1
-) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
-
-
-def run(engine: Engine, batch: list[list[int]], sampling: SamplingParams = GREEDY) -> dict[int, list[int]]:
-    ids = [engine.add_request(p, sampling) for p in batch]
-    tokens: dict[int, list[int]] = {i: [] for i in ids}
-    while engine.has_work():
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-    return {k: tokens[i] for k, i in enumerate(ids)}
-
 
 CASES = {
     "default": EngineConfig(block_size=4, num_blocks=512),

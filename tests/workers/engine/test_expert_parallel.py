@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from protocol.models import default_gguf_path
-from tests.workers.conftest import hf_greedy, serve_worker
-from tests.workers.engine.moe_models import NUM_EXPERTS, engine_greedy, mixtral, prompts, save
+from tests.support.hf_models import hf_greedy
+from tests.support.moe_models import NUM_EXPERTS, engine_greedy, mixtral, prompts, save
+from tests.support.workers import serve_worker
 from workers.engine.batch import ScheduledChunk
 from workers.engine.engine import EngineConfig
 from workers.engine.expert_parallel import ExpertParallelGroup

@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from protocol.prompts import chat_prompt_ids
-from tests.workers.conftest import hf_greedy
+from tests.support.hf_models import hf_greedy
 from workers.engine.batch import ScheduledChunk
 from workers.engine.loader import LoadedModel, load_model, load_weights
 from workers.engine.model_runner import ModelRunner

@@ -9,16 +9,8 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from tests.workers.conftest import hf_greedy
-from tests.workers.engine.moe_models import (
-    NoText,
-    engine_greedy,
-    mixtral,
-    prompts,
-    qwen2_moe,
-    save,
-    small_engine,
-)
+from tests.support.hf_models import hf_greedy
+from tests.support.moe_models import NoText, engine_greedy, mixtral, prompts, qwen2_moe, save, small_engine
 from workers.engine.batch import ScheduledChunk
 from workers.engine.loader import LoadedModel, load_weights
 from workers.engine.model import ModelConfig, UnsupportedModelError

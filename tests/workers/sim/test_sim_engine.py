@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.sims import SMALL
 from workers.engine.engine import Engine, EngineConfig, PromptTooLong, RequestOutput
 from workers.engine.llm import AsyncLLM, Completion
 from workers.engine.loader import LoadedModel
@@ -21,10 +22,6 @@ from workers.sim.cost_model import CostModel
 from workers.sim.engine import SimEngine
 from workers.sim.profiles import CPU_SMOLLM2, H100_8B, Profile
 from workers.sim.runner import RealClock, VirtualClock
-
-SMALL = dataclasses.replace(
-    CPU_SMOLLM2, kv_capacity_tokens=64 * 16, max_num_batched_tokens=96, max_num_seqs=8, max_context_len=1024
-)
 
 
 def drain(engine: Engine | SimEngine) -> dict[int, list[RequestOutput]]:
