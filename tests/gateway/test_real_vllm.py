@@ -262,8 +262,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "chat",
         {"messages": TOOL_HISTORY, "tools": [WEATHER_TOOL], "tool_choice": "auto", "max_tokens": 24},
     ),
-    # vLLM refuses n > 1 under greedy sampling: seeded sampling is as reproducible.
-    "n": ("chat", {"messages": TOOL_HISTORY[:2], "n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 12}),
+    # vLLM refuses n > 1 under greedy sampling, and at temperature 1 a seeded sample follows the
+    # low bits that vary with how vLLM schedules the siblings (it flipped once in CI): nearly
+    # greedy, seeded, is reproducible.
+    "n": ("chat", {"messages": TOOL_HISTORY[:2], "n": 2, "temperature": 0.01, "seed": 7, "max_tokens": 12}),
     "chat logprobs": (
         "chat",
         {"messages": TOOL_HISTORY[:2], "logprobs": True, "top_logprobs": 3, "max_tokens": 8},
