@@ -23,7 +23,7 @@ fault was gone, and whether every check held:
   SIGCONT it is routable again.
 - streams_replica_killed: a streaming grouped replay over four workers, one SIGKILLed and restarted
   mid-replay, with bundled workers and with the same workers declared foreign: no stream is truncated
-  (one whose worker died mid-answer is continued on another, gateway.migration) and none fails.
+  (one whose worker died mid-answer is continued on another, gateway.forward.migration) and none fails.
 
 The helpers (processes, traffic, bursts, storms) are shared with tests/faults, which make the same
 faults with finer checks.
@@ -771,7 +771,8 @@ def streams_replica_killed(
 ) -> ScenarioResult:
     """A streaming grouped replay over four slow workers, one SIGKILLed at `kill_at_s` and restarted
     at `restart_at_s`: every stream is whole, its answer continued on another worker where its own
-    died mid-answer (gateway.migration). Once with bundled workers (continued from token ids), once with
+    died mid-answer (gateway.forward.migration). Once with bundled workers (continued from token
+    ids), once with
     the same workers declared foreign (`kind: openai`, text prompts, `foreign_continuation: completions`:
     continued from the text so far)."""
     result = ScenarioResult("streams_replica_killed")

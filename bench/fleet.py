@@ -51,7 +51,7 @@ from bench.workloads import (
 from policies import POLICY_NAMES, RouteRequest, RoutingConfig, build_policy
 from policies.config import parse_routing
 from radix import RadixIndex, block_hashes
-from radix.index import Predicted, capacity_prior, pending_horizon
+from radix.capacity import Predicted, capacity_prior, pending_horizon
 from radix.reports import ReportedUnit, realised_blocks
 from workers.engine.batch import StepOutput, sample_slots
 from workers.engine.sampling_params import SamplingParams
@@ -107,7 +107,7 @@ def simulate(
     """One workload through the policy onto `replicas` simulated replicas. In approximate mode the
     index learns as the gateway does in front of foreign backends: each replica's configured capacity
     is `capacity_scale` times its true pool (None: not configured), taken as a guess
-    (radix.index.capacity_prior), and corrected by the cached tokens each request reports at its
+    (radix.capacity.capacity_prior), and corrected by the cached tokens each request reports at its
     first token, read as the gateway reads them (radix.reports). The replicas count prompts in `unit`
     (bench.units), which only approximate mode can follow. In precise mode, as in the gateway, a
     prompt counts as held by its replica from when it is routed there until its request ends."""

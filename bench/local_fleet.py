@@ -94,7 +94,7 @@ class LocalFleet:
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "gateway.cli", *args]
+    return [sys.executable, "-m", "prefixgate", *args]
 
 
 def worker_command(spec: SimWorkers, worker_id: str, port: int) -> list[str]:

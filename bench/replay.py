@@ -78,8 +78,8 @@ from bench.workloads import (
     Turn,
     total_turns,
 )
-from gateway.proxy import PREDICTED_TTFT_HEADER
-from gateway.upstream import UpstreamClient, UpstreamError, header_count
+from gateway.forward.proxy import PREDICTED_TTFT_HEADER
+from gateway.forward.upstream import UpstreamClient, UpstreamError, header_count
 from policies import POLICY_NAMES
 from workers.server import WORKER_HEADER
 from workers.sim.profiles import get_profile

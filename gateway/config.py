@@ -19,7 +19,7 @@ from policies.config import format_validation_error
 from protocol.vllm_kv_events import check_endpoint, default_replay_endpoint
 
 ReplicaKind = Literal["auto", "bundled", "openai"]
-# How a foreign prefill/decode fleet moves KV between its replicas (gateway.pd_legs).
+# How a foreign prefill/decode fleet moves KV between its replicas (gateway.forward.pd_legs).
 PdProtocol = Literal["vllm", "sglang"]
 # SGLang's default --disaggregation-bootstrap-port.
 SGLANG_BOOTSTRAP_PORT = 8998
@@ -135,7 +135,7 @@ class ModelEntry(_Section):
     # only).
     tokenizer: str = "default"
     # How a foreign backend of this model continues a stream another replica lost mid-answer
-    # (gateway.migration): "none" (the client gets an error event), "completions" (completions with a
+    # (gateway.forward.migration): "none" (the client gets an error event), "completions" (completions with a
     # text prompt: the prompt plus the text so far, which any OpenAI server takes), or "vllm" (those, and
     # chat with vLLM's continue_final_message). Bundled workers always continue, from token ids.
     foreign_continuation: Literal["none", "completions", "vllm"] = "none"

@@ -21,21 +21,21 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig, ReplicaEntry
-from gateway.discovery import Probe, ProbeFailed, fetch_load, probe, read_registry
-from gateway.kv_sync import IndexSync
+from gateway.fleet.discovery import Probe, ProbeFailed, fetch_load, probe, read_registry
+from gateway.fleet.predictions import Predictions
+from gateway.fleet.replicas import Replica, ReplicaSet, Source
+from gateway.fleet.response_owners import ResponseOwners
+from gateway.forward.tokenizers import Tokenizers
+from gateway.forward.upstream import UpstreamClient
 from gateway.metrics import GatewayMetrics
-from gateway.predictions import Predictions
-from gateway.replicas import Replica, ReplicaSet, Source
-from gateway.response_owners import ResponseOwners
-from gateway.tokenizers import Tokenizers
-from gateway.upstream import UpstreamClient
-from gateway.zmq_sync import ZmqSource, ZmqSync
+from gateway.sync.bundled_events import IndexSync
+from gateway.sync.zmq_events import ZmqSource, ZmqSync
 from policies import Policy, PrefillDecode, build_pd, build_policy
 from policies.least_load import LeastLoad
 from protocol.cancellation import check_cancelled
 from protocol.redis_client import connect
 from radix import RadixIndex
-from radix.index import capacity_prior
+from radix.capacity import capacity_prior
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -59,7 +59,7 @@ class Gateway:
     # Routes with no prompt to match (embeddings, scoring, any other /v1 route) go by load.
     by_load: Policy = field(default_factory=LeastLoad)
     session: aiohttp.ClientSession = field(init=False)
-    # The forward path's own client (gateway/upstream.py); `session` serves everything else.
+    # The forward path's own client (gateway/forward/upstream.py); `session` serves everything else.
     upstream: UpstreamClient = field(init=False)
     redis: Redis | None = field(init=False, default=None)
     sync: IndexSync = field(init=False)

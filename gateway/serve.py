@@ -7,8 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
-from gateway.app import create_app
 from gateway.config import load_config
+from gateway.http.app import create_app
 from policies import ConfigError
 from protocol.serving import serve
 

@@ -13,7 +13,7 @@ template, for chat). When present they are used as the prompt and nothing is tok
 the body is still validated as usual. `prefixgate_prefill` — the gateway's grant naming the prefill
 worker a decode worker pulls the prompt's KV from (prefill/decode disaggregation, signed:
 protocol.transfer_auth; workers.disaggregation checks it). The gateway refuses any `prefixgate_*`
-field but `prefixgate_token_ids` from a client (gateway.internal_fields).
+field but `prefixgate_token_ids` from a client (gateway.forward.internal_fields).
 """
 
 from __future__ import annotations

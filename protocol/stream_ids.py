@@ -1,7 +1,7 @@
 """The token ids of a bundled worker's stream, told to the gateway alone.
 
 A gateway that loses a worker mid-stream continues the answer on another one from the prompt's ids
-plus the ids already streamed (gateway.migration). Text cannot give those ids back exactly (the same
+plus the ids already streamed (gateway.forward.migration). Text cannot give those ids back exactly (the same
 text tokenizes more than one way), so a worker asked with STREAM_IDS_HEADER puts the ids of each
 event's tokens in the event itself, as an SSE comment line before its data: clients ignore comments,
 and the gateway strips them before its client sees the event.

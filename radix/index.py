@@ -10,83 +10,21 @@ bound per replica (approximate mode, where the gateway predicts a foreign backen
 no eviction events to follow) and a global bound on entries that caps the gateway's memory.
 Predicted entries can expire; exact entries (from KV events) live until removed.
 
-A predicted replica's capacity is learned (`correct`) from what the replica reports it reused, so a
-configured capacity is only a prior, in whatever unit it was given, or none at all. The model is the
-replica's own LRU, in which a block's use is when a sequence lets go of it (the gateway touches a
-request's blocks when it is sent and again when it ends): a block it lacked was evicted, and so was
-every block used before it, so those go and the capacity is at most what is left (the median of the
-latest few such bounds, which err both ways); a block it held that the capacity bound had dropped (a
-"ghost", remembered as ARC remembers them) says that it holds at least what the bound kept plus every
-block the bound dropped since that one.
+A predicted replica's capacity bound is learned from what the replica reports it reused: the
+model and its evidence are radix.capacity's; the LRU it acts on is this index's.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-import statistics
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+
+from radix.capacity import Learner, Predicted
 
 NEVER = math.inf
-# A learned capacity never goes below this many blocks: one odd report (a replica that restarted)
-# must not leave the gateway predicting nothing.
-MIN_LEARNED_CAPACITY = 64
-# A guessed capacity (a foreign backend's configured one) is taken this many times over (capacity_prior).
-PRIOR_SLACK = 4
-# A learned capacity is the median of this many latest bounds from reports (RadixIndex.correct).
-BOUNDS_KEPT = 8
-# Evicted blocks remembered per block of capacity: a bound set this many times too tight can still
-# see the evidence that it is (a reuse of a block it dropped) and grow.
-GHOSTS_PER_BLOCK = 4
-
-
-def capacity_prior(configured: int | None, *, guessed: bool) -> int | None:
-    """Where a learning replica's capacity bound starts. A known pool (a bundled worker's) is taken as
-    it is; a guess (a foreign backend's configured capacity) PRIOR_SLACK times over: a bound too loose
-    is learned down within a few requests (each prediction it turns out to lack tightens it), but one
-    too tight is learned up only when routing happens to send a request where the bound had dropped
-    its prefix, which a tight bound makes rare."""
-    if configured is None:
-        return None
-    return configured * (PRIOR_SLACK if guessed else 1)
-
-
-class Pending(Protocol):
-    """A request routed to a learning replica: whether its first token came, and the index tick its
-    prompt was recorded at (None: not recorded)."""
-
-    started: bool
-    recorded_tick: int | None
-
-
-def pending_horizon(requests: Iterable[Pending]) -> float:
-    """A replica's Predicted.horizon: the earliest tick a request still waiting for its first token
-    was recorded at, since blocks used from then on may not be computed on the replica yet."""
-    return min(
-        (r.recorded_tick for r in requests if not r.started and r.recorded_tick is not None), default=NEVER
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class Predicted:
-    """What a learning replica was predicted to hold of a request's prefix, taken before the request
-    was recorded there (which touches its blocks again): when each leading block held was last used,
-    and how many blocks after those the capacity bound had dropped."""
-
-    ticks: tuple[int, ...]
-    # For each block after the held ones that the capacity bound had dropped, in order: how many
-    # blocks it has dropped since (1 for the latest).
-    ghosted: tuple[int, ...]
-    # Blocks last used at or after this tick were recorded by requests the replica may not have
-    # computed yet (still waiting for their first token): lacking one of those is no eviction.
-    horizon: float = math.inf
-
-    @property
-    def blocks(self) -> int:
-        return len(self.ticks)
 
 
 @dataclass(slots=True)
@@ -95,15 +33,8 @@ class _Replica:
     capacity: int | None
     # hash -> expiry time (NEVER for exact entries); least recently used first.
     blocks: OrderedDict[int, float] = field(default_factory=OrderedDict)
-    # Learning replicas only (approximate mode): when each block was last used, by a counter of uses
-    # that grows along `blocks`' order, and the blocks the capacity bound evicted lately.
-    ticks: dict[int, int] | None = None
-    # Dropped hash -> the count of drops when it was dropped.
-    ghosts: OrderedDict[int, int] | None = None
-    # The latest upper bounds on the capacity that reports gave (see correct).
-    bounds: deque[int] | None = None
-    tick: int = 0
-    dropped: int = 0
+    # Learning replicas only (approximate mode): the evidence their capacity bound is learned from.
+    learner: Learner | None = None
 
 
 class RadixIndex:
@@ -138,7 +69,7 @@ class RadixIndex:
             self._names[bit] = replica
         state = _Replica(bit=bit, capacity=capacity_blocks)
         if learn:
-            state.ticks, state.ghosts, state.bounds = {}, OrderedDict(), deque(maxlen=BOUNDS_KEPT)
+            state.learner = Learner()
         self._replicas[replica] = state
 
     def drop_replica(self, replica: str) -> None:
@@ -163,9 +94,8 @@ class RadixIndex:
                 self._timed -= 1
         self._entries -= len(state.blocks)
         state.blocks.clear()
-        if state.ticks is not None and state.ghosts is not None:
-            state.ticks.clear()
-            state.ghosts.clear()
+        if state.learner is not None:
+            state.learner.clear()
 
     @property
     def replicas(self) -> list[str]:
@@ -176,7 +106,7 @@ class RadixIndex:
 
     def learns(self, replica: str) -> bool:
         """Whether the replica's capacity bound is learned (approximate mode)."""
-        return self._state(replica).ticks is not None
+        return self._state(replica).learner is not None
 
     def capacity_of(self, replica: str) -> int | None:
         """The replica's capacity bound in blocks, as configured or learned (None: unbounded)."""
@@ -206,7 +136,7 @@ class RadixIndex:
             raise ValueError(f"expires_at must be a time or NEVER, got {expires_at!r}")
         state = self._state(replica)
         try:
-            if expires_at == NEVER and state.ticks is None:
+            if expires_at == NEVER and state.learner is None:
                 self._insert_exact(state, hashes)
             else:
                 self._insert_timed(replica, state, hashes, expires_at)
@@ -232,7 +162,7 @@ class RadixIndex:
         holders = self._holders
         keep = ~(1 << state.bit)
         removed = timed = 0
-        ticks = state.ticks
+        ticks = state.learner.ticks if state.learner is not None else None
         try:
             for h in hashes:
                 expiry = pop(h, None)
@@ -265,8 +195,8 @@ class RadixIndex:
             expiry = blocks.get(h)
             if expiry is not None and expiry != NEVER:
                 del blocks[h]
-                if state.ticks is not None:
-                    del state.ticks[h]
+                if state.learner is not None:
+                    del state.learner.ticks[h]
                 self._forget(h, state.bit, expiry)
 
     def expire(self, now: float) -> int:
@@ -278,8 +208,8 @@ class RadixIndex:
             state = self._replicas.get(replica)
             if state is not None and state.blocks.get(h) == expiry:
                 del state.blocks[h]
-                if state.ticks is not None:
-                    del state.ticks[h]
+                if state.learner is not None:
+                    del state.learner.ticks[h]
                 self._forget(h, state.bit, expiry)
                 dropped += 1
         return dropped
@@ -311,28 +241,12 @@ class RadixIndex:
 
     def tick_now(self, replica: str) -> int:
         """A learning replica's use counter: blocks recorded from now on are last used at or after it."""
-        return self._state(replica).tick
+        return self._learner(replica).tick
 
     def predicted(self, replica: str, hashes: Sequence[int], horizon: float = math.inf) -> Predicted:
         """What `correct` will check a learning replica's report on this request against (`horizon`:
         see Predicted)."""
-        state = self._state(replica)
-        ticks, ghosts = state.ticks, state.ghosts
-        if ticks is None or ghosts is None:
-            raise ValueError(f"replica {replica!r} does not learn its capacity")
-        held = []
-        for h in hashes:
-            tick = ticks.get(h)
-            if tick is None:
-                break
-            held.append(tick)
-        ghosted = []
-        for h in hashes[len(held) :]:
-            when = ghosts.get(h)
-            if when is None:
-                break
-            ghosted.append(state.dropped - when + 1)
-        return Predicted(tuple(held), tuple(ghosted), horizon)
+        return self._learner(replica).predicted(hashes, horizon)
 
     def set_capacity(self, replica: str, capacity_blocks: int) -> None:
         """A capacity learned elsewhere (another gateway's `correct`): the bound, enforced now."""
@@ -347,38 +261,24 @@ class RadixIndex:
 
     def correct(self, replica: str, predicted: Predicted, realised: int) -> None:
         """A request was `predicted` to find its first `predicted.blocks` blocks cached on `replica`,
-        and the replica reports it reused the first `realised`.
+        and the replica reports it reused the first `realised` (radix.capacity says what that implies).
 
         Fewer: the first block it lacked, and every block last used before it, are not there: they
-        go, and the capacity is at most what is left. That bound errs both ways, so the capacity is
-        the median of the latest BOUNDS_KEPT: too low when a block went while the request that would
-        have used it waited in the replica's queue (a replica touches a prefix when it schedules the
-        request, not when the router sends it), which under load came often enough that keeping the
-        tightest bound shrank the capacity to a fraction of the pool (the Mooncake conversation trace
-        in `bench fleet`: a hit rate of 0.107, 0.118 with the median); too high when a loose prior let
-        predictions the replica never held pile up (the loosest bound kept them, and in front of real
-        processes piled requests onto one replica: imbalance up to 1.28 against 1.05).
-        More: the replica held blocks the capacity bound had dropped: it holds at least what the
-        bound keeps and every block the bound dropped since the earliest of them, and the bounds
-        reported before are stale.
+        go, and the capacity is at most what is left. More: the replica held blocks the capacity
+        bound had dropped, and the capacity is at least what that takes.
         """
         state = self._state(replica)
-        ticks, bounds = state.ticks, state.bounds
-        if ticks is None or bounds is None:
-            raise ValueError(f"replica {replica!r} does not learn its capacity")
-        if realised < predicted.blocks:
-            lacked = predicted.ticks[realised]
-            if lacked >= predicted.horizon:  # recorded by a request still on its way: not evidence
-                return
-            blocks = state.blocks
+        learner = self._learner(replica)
+        lacked = learner.lacked(predicted, realised) if realised < predicted.blocks else None
+        if lacked is not None:
+            blocks, ticks = state.blocks, learner.ticks
             while blocks and ticks[next(iter(blocks))] <= lacked:
                 self._evict_oldest(replica, state, ghost=False)
-            bounds.append(max(len(blocks), MIN_LEARNED_CAPACITY))
-            state.capacity = statistics.median_high(bounds)
-        elif state.capacity is not None and realised > predicted.blocks and predicted.ghosted:
-            regained = predicted.ghosted[: realised - predicted.blocks]
-            state.capacity = max(state.capacity, len(state.blocks) + max(regained))
-            bounds.clear()
+            state.capacity = learner.bound(len(blocks))
+            return
+        regained = learner.regained(predicted, realised, state.capacity, len(state.blocks))
+        if regained is not None:
+            state.capacity = regained
 
     # -- internals --------------------------------------------------------------------------
 
@@ -414,13 +314,13 @@ class RadixIndex:
         blocks = state.blocks
         holders = self._holders
         bit = 1 << state.bit
-        ticks, ghosts = state.ticks, state.ghosts
+        learner = state.learner
         timed = expires_at != NEVER
         for h in reversed(hashes):
-            if ticks is not None and ghosts is not None:
-                ticks[h] = state.tick
-                state.tick += 1
-                ghosts.pop(h, None)
+            if learner is not None:
+                learner.ticks[h] = learner.tick
+                learner.tick += 1
+                learner.ghosts.pop(h, None)
             old = blocks.get(h)
             if old is None:
                 blocks[h] = expires_at
@@ -441,19 +341,21 @@ class RadixIndex:
             raise KeyError(f"replica {replica!r} is not in the index")
         return state
 
+    def _learner(self, replica: str) -> Learner:
+        learner = self._state(replica).learner
+        if learner is None:
+            raise ValueError(f"replica {replica!r} does not learn its capacity")
+        return learner
+
     def _evict_oldest(self, replica: str, state: _Replica, ghost: bool = True) -> None:
         """Drop the least recently used block; a learning replica's capacity bound remembers it."""
         h, expiry = state.blocks.popitem(last=False)
         self._forget(h, state.bit, expiry)
-        if state.ticks is not None:
-            del state.ticks[h]
-        ghosts = state.ghosts
-        if ghost and ghosts is not None:
-            state.dropped += 1
-            ghosts[h] = state.dropped
-            ghosts.move_to_end(h)
-            while len(ghosts) > GHOSTS_PER_BLOCK * max(state.capacity or 0, MIN_LEARNED_CAPACITY):
-                ghosts.popitem(last=False)
+        learner = state.learner
+        if learner is not None:
+            del learner.ticks[h]
+            if ghost:
+                learner.evicted(h, state.capacity)
 
     def _forget(self, h: int, bit: int, expiry: float) -> None:
         rest = self._holders[h] & ~(1 << bit)

@@ -1,7 +1,7 @@
 """Publishes a worker's KV events in vLLM's wire format over ZMQ (protocol.vllm_kv_events), as vLLM
 does with `--kv-events-config`: `prefixgate worker --kv-events-zmq tcp://*:5557`.
 
-A gateway then follows a bundled worker exactly as it follows vLLM or SGLang (gateway/zmq_sync.py),
+A gateway then follows a bundled worker exactly as it follows vLLM or SGLang (gateway/sync/zmq_events.py),
 and any consumer written for vLLM's events reads the worker's. Each sealed batch of the worker's
 event log becomes one message numbered `log seq - 1`, so that a fresh worker starts at 0 with its
 lone `cleared` batch, as a fresh vLLM publisher starts at 0. The last `buffer_steps` messages are

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.chaos import SCENARIOS
-from gateway.cli import main
+from prefixgate.cli import main
 
 pytestmark = pytest.mark.fleet
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.cuda_check import FOLDER_FILES, shape_folder
-from gateway.cli import main
+from prefixgate.cli import main
 from protocol.models import default_gguf_path
 from tests.support.hf_models import tiny_llama_config
 from workers.engine.loader import convert_gguf

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
+from prefixgate.cli import main
 
 pytestmark = pytest.mark.real
 

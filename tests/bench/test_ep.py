@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
+from prefixgate.cli import main
 
 pytestmark = pytest.mark.fleet
 

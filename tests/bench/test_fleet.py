@@ -12,8 +12,8 @@ from bench.fleet import Job, jobs_of, pooled_hit_rate, simulate
 from bench.trace import load_trace, prompt_tokens, trace_sessions, write_conversation_trace
 from bench.units import unit_of
 from bench.workloads import AgentParams, GroupedParams, agent_sessions, grouped_sessions, total_turns
-from gateway.cli import main
 from policies import RoutingConfig
+from prefixgate.cli import main
 from radix import block_hashes
 from workers.sim.profiles import get_profile
 

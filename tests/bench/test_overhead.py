@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.overhead import CONCURRENCY, TARGETS, histogram_quantile
-from gateway.cli import main
+from prefixgate.cli import main
 
 pytestmark = pytest.mark.fleet
 

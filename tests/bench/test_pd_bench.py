@@ -10,7 +10,7 @@ import pytest
 from bench.latency import RequestLatency, Slo, summarize
 from bench.pd import PdResult, Split
 from bench.pd_bench import best, verdict
-from gateway.cli import main
+from prefixgate.cli import main
 
 
 def result(split: Split, ttft_s: float, gaps: list[float]) -> PdResult:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gateway.cli import main
+from prefixgate.cli import main
 
 
 def test_radix_bench_reports_ratios_and_memory(tmp_path: Path) -> None:

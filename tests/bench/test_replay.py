@@ -47,8 +47,8 @@ from bench.replay import (
 from bench.trace import load_trace, write_conversation_trace
 from bench.words import text_of
 from bench.workloads import AgentParams, agent_sessions, total_turns
-from gateway.cli import build_parser, main
 from gateway.config import parse_config
+from prefixgate.cli import build_parser, main
 from protocol.models import default_tokenizer
 from tests.support.servers import ServerThread, free_port
 from workers.kv_events import KVEventLog

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.soak import Sample, gateway_summary, read_metrics, rss_mib, verdict
-from gateway.cli import main
+from prefixgate.cli import main
 
 pytestmark = pytest.mark.fleet
 

@@ -33,7 +33,7 @@ from bench.workloads import (
     tenant_weights,
     total_turns,
 )
-from gateway.cli import build_parser
+from prefixgate.cli import build_parser
 
 AGENT = AgentParams()
 

@@ -177,7 +177,7 @@ def doomed_worker() -> Iterator[Callable[[str, int, str], subprocess.Popen[bytes
 
     def spawn(worker_id: str, port: int, redis: str) -> subprocess.Popen[bytes]:
         args = sim_worker_args(worker_id, port, "--redis", redis, "--log-level", "WARNING")
-        procs.append(subprocess.Popen([sys.executable, "-m", "gateway.cli", *args]))
+        procs.append(subprocess.Popen([sys.executable, "-m", "prefixgate", *args]))
         return procs[-1]
 
     yield spawn

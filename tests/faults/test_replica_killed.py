@@ -25,7 +25,7 @@ def spawn_worker() -> Iterator[Callable[[str, int], subprocess.Popen[bytes]]]:
 
     def spawn(worker_id: str, port: int) -> subprocess.Popen[bytes]:
         args = sim_worker_args(worker_id, port, "--log-level", "WARNING")
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", *args])
+        proc = subprocess.Popen([sys.executable, "-m", "prefixgate", *args])
         procs.append(proc)
 
         def healthy() -> bool:
@@ -84,7 +84,7 @@ def test_a_killed_replica_costs_no_request_that_had_not_started_streaming(
     # Non-streaming requests had sent nothing to their clients: every one retried and served.
     assert [a.status_code for a in answers] == [200] * 6
     assert {a.headers["x-prefixgate-replica"] for a in answers} == {survivor}
-    # The stream had: it is continued on the survivor (gateway.migration), and ends whole.
+    # The stream had: it is continued on the survivor (gateway.forward.migration), and ends whole.
     assert tail[-1] == "data: [DONE]" and '"finish_reason":"length"' in tail[-2]
     assert not any("upstream_failed" in line for line in tail)
     down_since = wait_for(

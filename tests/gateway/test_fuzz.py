@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from gateway.openapi import OPENAPI
+from gateway.http.openapi import OPENAPI
 from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker, assert_openai_error
 
 pytestmark = pytest.mark.fuzz

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.http.app import create_app
 from protocol.disaggregation import TRANSFERRED_TOKENS_HEADER
 from protocol.transfer_auth import SECRET_ENV
 from tests.support.polling import wait_for

@@ -34,7 +34,7 @@ class Blocked:
         return None
 sys.meta_path.insert(0, Blocked())
 atexit.register(lambda: print("BLOCKED", attempts, "TORCH", "torch" in sys.modules, flush=True))
-from gateway.cli import main
+from prefixgate.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

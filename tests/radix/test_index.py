@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-import statistics
 
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radix.index import BOUNDS_KEPT, MIN_LEARNED_CAPACITY, NEVER, RadixIndex
+from radix.index import NEVER, RadixIndex
 
 
 class Reference:
@@ -235,99 +234,3 @@ def test_unknown_replica_is_a_clear_error() -> None:
     index = RadixIndex()
     with pytest.raises(KeyError, match="not in the index"):
         index.insert("ghost", [1])
-
-
-# -- learning a predicted replica's capacity ----------------------------------------------------------
-
-LEASE = 100.0  # a prediction's expiry: far enough never to matter here
-
-
-def predicted_fleet(capacity: int | None, prefixes: int, blocks: int) -> tuple[RadixIndex, list[list[int]]]:
-    """One learning replica that was sent `prefixes` prompts of `blocks` blocks each, in order."""
-    index = RadixIndex()
-    index.add_replica("r", capacity, learn=True)
-    chains = [[1000 * p + b for b in range(blocks)] for p in range(prefixes)]
-    for chain in chains:
-        index.insert("r", chain, expires_at=LEASE)
-    return index, chains
-
-
-def test_a_shorter_reuse_than_predicted_evicts_the_older_blocks_and_bounds_the_capacity() -> None:
-    index, chains = predicted_fleet(capacity=None, prefixes=30, blocks=10)
-    assert index.capacity_of("r") is None and index.blocks_of("r") == 300
-    asked = chains[12]
-    predicted = index.predicted("r", asked)
-    assert predicted.blocks == 10 and predicted.ghosted == ()
-    index.insert("r", asked, expires_at=LEASE)  # the request is recorded as it is routed
-    # The replica reused 4 of the 10 blocks: its 5th was gone, so were all blocks used before it.
-    index.correct("r", predicted, realised=4)
-    assert all(not index.holds("r", h) for chain in chains[:12] for h in chain)
-    assert all(index.holds("r", h) for chain in chains[13:] for h in chain)
-    assert all(index.holds("r", h) for h in asked), "the request itself is cached there now"
-    assert index.capacity_of("r") == index.blocks_of("r") == 180
-    # Later shortfalls evict as much, but one report alone can be an outlier (a block that went while
-    # its request waited in the replica's queue): the capacity is the median of the latest bounds, and
-    # tightens as the looser ones age out, never below the floor.
-    bounds = [180]
-    for chain in chains[20 : 21 + BOUNDS_KEPT]:
-        index.correct("r", index.predicted("r", chain), realised=0)
-        assert not index.holds("r", chain[0])
-        bounds.append(max(index.blocks_of("r"), MIN_LEARNED_CAPACITY))
-        assert index.capacity_of("r") == statistics.median_high(bounds[-BOUNDS_KEPT:])
-    assert index.capacity_of("r") < 180 and bounds[-1] == MIN_LEARNED_CAPACITY
-    # A regain shows those bounds too tight: they are dropped, and the next shortfall alone bounds it.
-    fresh = [[500_000 + 1000 * p + b for b in range(10)] for p in range(18)]
-    for chain in fresh[:12]:
-        index.insert("r", chain, expires_at=LEASE)
-    predicted = index.predicted("r", fresh[0])
-    assert predicted.blocks == 0 and predicted.ghosted
-    index.insert("r", fresh[0], expires_at=LEASE)
-    index.correct("r", predicted, realised=10)
-    assert index.capacity_of("r") > max(bounds[-BOUNDS_KEPT:])
-    for chain in fresh[12:]:
-        index.insert("r", chain, expires_at=LEASE)
-    oldest = next(chain for chain in fresh[1:] if index.holds("r", chain[0]))
-    index.correct("r", index.predicted("r", oldest), realised=0)
-    left = index.blocks_of("r")
-    assert index.capacity_of("r") == left > statistics.median_high([*bounds[-BOUNDS_KEPT + 1 :], left])
-
-
-def test_a_longer_reuse_than_predicted_of_evicted_blocks_raises_the_capacity() -> None:
-    index, chains = predicted_fleet(capacity=100, prefixes=30, blocks=10)
-    assert index.blocks_of("r") == 100 and index.match(chains[0]) == {}
-    predicted = index.predicted("r", chains[0])
-    # Prefix 0 was the first dropped, leaf first: its root 191 drops ago, its leaf 200.
-    assert predicted.blocks == 0 and predicted.ghosted == tuple(range(191, 201))
-    index.insert("r", chains[0], expires_at=LEASE)
-    # Yet the replica reused all of it: it holds what the bound keeps and all 200 dropped since.
-    index.correct("r", predicted, realised=10)
-    assert index.capacity_of("r") == 300
-    # Blocks the bound never held (another client's traffic, a TTL) are no evidence about it.
-    index.correct("r", index.predicted("r", [999_999, 999_998]), realised=2)
-    assert index.capacity_of("r") == 300
-    index.insert("r", chains[1], expires_at=LEASE)
-    assert index.blocks_of("r") == 110
-    # A capacity learned by another gateway applies at once.
-    index.set_capacity("r", 70)
-    assert index.blocks_of("r") == 70 and index.capacity_of("r") == 70
-    assert index.predicted("r", [*chains[29][:3], 424242, chains[29][4]]).blocks == 3
-
-
-def test_learning_needs_a_learning_replica() -> None:
-    index = RadixIndex()
-    index.add_replica("exact")
-    index.insert("exact", [1, 2])
-    with pytest.raises(ValueError, match="does not learn"):
-        index.predicted("exact", [1])
-
-
-def test_lacking_a_block_a_request_on_its_way_recorded_is_no_eviction() -> None:
-    index, chains = predicted_fleet(capacity=None, prefixes=10, blocks=4)
-    on_its_way = index.tick_now("r")
-    index.insert("r", [77, 78, 79], expires_at=LEASE)  # routed, not yet computed by the replica
-    asked = [77, 78, 79, 80]
-    index.correct("r", index.predicted("r", asked, horizon=on_its_way), realised=0)
-    assert index.capacity_of("r") is None and index.blocks_of("r") == 43
-    # Once that request has its first token the blocks are the replica's: lacking them is evidence.
-    index.correct("r", index.predicted("r", asked), realised=0)
-    assert index.capacity_of("r") == 64 and not index.holds("r", chains[0][0])

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from bench.chaos import Fleet, sim_profile, start_worker, streams_replica_killed, wait_ready
 from bench.local_fleet import Child, cli, free_port, spawn
-from gateway.migration import MAX_EVENT_BYTES, Sent, StreamTap, continuation_body
+from gateway.forward.migration import MAX_EVENT_BYTES, Sent, StreamTap, continuation_body
 from tests.support.gateways import SIM_MODEL, RunningGateway
 from tests.support.servers import ServerThread
 

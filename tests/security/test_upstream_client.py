@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from gateway.sse_events import MAX_EVENT_BYTES, EventSplitter, OutputWatch, UsageStrip
-from gateway.upstream import MAX_HEAD_BYTES, MAX_INFORMATIONAL, UpstreamClient, UpstreamError
+from gateway.forward.sse_events import MAX_EVENT_BYTES, EventSplitter, OutputWatch, UsageStrip
+from gateway.forward.upstream import MAX_HEAD_BYTES, MAX_INFORMATIONAL, UpstreamClient, UpstreamError
 from tests.support.gateways import RunningGateway
 from tests.support.raw_replicas import (
     MODEL,

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from bench.chaos import Fleet
-from gateway.app import create_app
-from gateway.cli import build_parser
 from gateway.config import parse_config
+from gateway.http.app import create_app
+from prefixgate.cli import build_parser
 from tests.support.gateways import (
     SIM_MODEL,
     Answers,

@@ -20,8 +20,8 @@ import openai
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.app import GATEWAY
 from gateway.gateway import Gateway
+from gateway.http.keys import GATEWAY
 from tests.support.polling import wait_for
 from tests.support.servers import ServerThread
 from workers.server import Worker

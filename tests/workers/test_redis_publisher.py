@@ -299,7 +299,7 @@ def test_the_cli_worker_registers_and_its_entry_expires_when_it_dies(r: redis.Re
     command = [
         sys.executable,
         "-m",
-        "gateway.cli",
+        "prefixgate",
         "worker",
         "--sim",
         "--port",

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.cli import build_parser
+from prefixgate.cli import build_parser
 from tests.support.servers import free_port
 from workers.cli import engine_config, parse_bytes
 
@@ -65,7 +65,7 @@ def test_the_worker_process_serves_and_exits_cleanly(tiny, tmp_path: Path) -> No
     command = [
         sys.executable,
         "-m",
-        "gateway.cli",
+        "prefixgate",
         "worker",
         "--model",
         str(folder),

@@ -15,7 +15,7 @@ import pytest
 
 from bench.local_fleet import Child, LocalFleet, cli, free_port, spawn, stop, wait_ready
 from bench.words import text_of
-from gateway.cli import build_parser
+from prefixgate.cli import build_parser
 from protocol.openai_api import ServedModel, parse_chat
 from protocol.prompts import prompt_token_ids
 from workers.cli import build_worker

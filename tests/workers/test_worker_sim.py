@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.cli import build_parser
+from prefixgate.cli import build_parser
 from tests.support.servers import ServerThread
 from workers.cli import advertise_url, build_engine, build_worker, engine_config, extra_contexts
 from workers.kv_events import KVEventLog

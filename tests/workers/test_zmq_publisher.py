@@ -11,7 +11,7 @@ import httpx
 import pytest
 import zmq
 
-from gateway.cli import build_parser
+from prefixgate.cli import build_parser
 from protocol.vllm_kv_events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -1,0 +1,247 @@
+"""The replicas a gateway routes to, as it believes them to be: identity, health, and load.
+
+Load has two parts. A replica reports its queue (over HTTP, or through Redis) every fraction of a
+second; between reports the gateway adds what it has itself placed there since, so a burst of
+arrivals does not all pile onto the replica that looked idle at the last report. Requests still
+running are in the next report, so only those dispatched after the report's time are added.
+
+Pure state, no I/O: discovery (gateway.fleet.discovery) and the request path update it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Literal
+from urllib.parse import urlsplit
+
+from policies import ReplicaView, Role
+from radix.capacity import pending_horizon
+from radix.reports import ReportedUnit
+
+# The weight of one TTFT in a replica's speed: about the last 1 / SPEED_ALPHA TTFTs count. One TTFT's
+# tokens per second swing twofold between replicas of one kind (decode steps, batching), and a rate
+# of a few of them made identical replicas look 30 % apart in most decisions (docs/benchmarks.md).
+SPEED_ALPHA = 0.02
+
+Kind = Literal["bundled", "openai"]
+Source = Literal["config", "registry", "admin"]
+
+
+@dataclass(slots=True)
+class LoadReport:
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    # Gateway monotonic time the report describes; requests dispatched later are not in it.
+    at: float = float("-inf")
+
+
+@dataclass(slots=True)
+class InFlight:
+    dispatched: float
+    # Prompt tokens this request adds to the replica's prefill queue until its first token.
+    prefill_tokens: int
+    # Prefill work queued ahead of it when it was placed: what its TTFT also paid for.
+    queued_ahead: int
+    started: bool = False
+    # The replica's index tick when this request's prompt was recorded as predicted there (None: not
+    # recorded): until its first token, blocks recorded since may not be computed yet.
+    recorded_tick: int | None = None
+    # KV blocks the request's uncached prompt takes there (computed or transferred).
+    kv_blocks: int = 0
+
+
+@dataclass(slots=True)
+class Replica:
+    id: str
+    url: str
+    kind: Kind
+    model: str
+    block_size: int
+    # KV blocks: a bundled worker's pool, or a foreign backend's configured prior (None: none given).
+    capacity_blocks: int | None
+    max_context_len: int
+    source: Source
+    prefill_rate: float
+    # TTFTs the prefill rate was learned from (gateway.forward.router pools the rates of replicas with few).
+    rate_samples: int = 0
+    # The same TTFTs' prefill work and seconds, averaged over many (SPEED_ALPHA): their ratio is the
+    # replica's speed, which tells another kind of replica from noise (gateway.forward.router.routing_rates).
+    speed_work: float = 0.0
+    speed_seconds: float = 0.0
+    max_waiting: int = 256
+    incarnation: str | None = None
+    healthy: bool = True
+    draining: bool = False
+    failures: int = 0
+    # Gateway monotonic time this replica last went unhealthy (None while healthy).
+    down_since: float | None = None
+    report: LoadReport = field(default_factory=LoadReport)
+    inflight: dict[int, InFlight] = field(default_factory=dict)
+    # Prefill/decode disaggregation (policies.pd): its role, how a foreign one moves KV to its pair
+    # (None: prefixgate's own), and an SGLang prefill server's bootstrap port.
+    role: Role = "mixed"
+    pd_protocol: str | None = None
+    bootstrap_port: int | None = None
+    # Its KV block in its own tokens, from the cached tokens it reports (radix.reports).
+    reported: ReportedUnit = field(default_factory=ReportedUnit)
+
+    @property
+    def speed(self) -> float:
+        """Prefill tokens per second over its last ~1 / SPEED_ALPHA TTFTs, as a ratio of sums, so that a
+        short TTFT caught between two decode steps weighs as little as it lasted (0: none yet)."""
+        return self.speed_work / self.speed_seconds if self.speed_seconds > 0 else 0.0
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+    def load(self) -> tuple[int, int, int]:
+        """(running, waiting, queued prefill tokens): the last report plus the gateway's own since."""
+        running, waiting, queued = self.report.running, self.report.waiting, self.report.queued_prefill_tokens
+        for req in self.inflight.values():
+            if req.dispatched <= self.report.at:
+                continue
+            if req.started:
+                running += 1
+            else:
+                waiting += 1
+                queued += req.prefill_tokens
+        return running, waiting, queued
+
+    def free_blocks(self) -> int | None:
+        """KV blocks no sequence holds, as last reported less what the gateway placed there since (None:
+        not reported, as for a foreign backend)."""
+        if self.report.kv_blocks_total <= 0:
+            return None
+        placed = sum(r.kv_blocks for r in self.inflight.values() if r.dispatched > self.report.at)
+        return max(self.report.kv_blocks_total - self.report.kv_blocks_used - placed, 0)
+
+    def view(self, matched_blocks: int, cached_blocks: int, prefill_rate: float) -> ReplicaView:
+        """What a policy sees: this request's match, the load, how many blocks the index holds for the
+        replica in all (how full its cache is believed to be), and the prefill rate to route by."""
+        running, waiting, queued = self.load()
+        return ReplicaView(
+            id=self.id,
+            healthy=self.routable,
+            block_size=self.block_size,
+            matched_blocks=matched_blocks,
+            running=running,
+            waiting=waiting,
+            queued_prefill_tokens=queued,
+            max_waiting=self.max_waiting,
+            prefill_rate=prefill_rate,
+            cached_blocks=cached_blocks,
+            role=self.role,
+            free_blocks=self.free_blocks(),
+            pd_protocol=self.pd_protocol,
+            local_prefill=not (self.role == "decode" and self.pd_protocol == "sglang"),
+        )
+
+    def pending_horizon(self) -> float:
+        """Of the requests in flight here (radix.capacity.pending_horizon)."""
+        return pending_horizon(self.inflight.values())
+
+    def to_json(self) -> dict[str, object]:
+        running, waiting, queued = self.load()
+        return {
+            "id": self.id,
+            "url": self.url,
+            "kind": self.kind,
+            "role": self.role,
+            "pd_protocol": self.pd_protocol,
+            "model": self.model,
+            "block_size": self.block_size,
+            "capacity_blocks": self.capacity_blocks,
+            "max_context_len": self.max_context_len,
+            "source": self.source,
+            "incarnation": self.incarnation,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "inflight": len(self.inflight),
+            "load": {"running": running, "waiting": waiting, "queued_prefill_tokens": queued},
+            "prefill_rate": round(self.prefill_rate, 1),
+        }
+
+
+def default_replica_id(url: str) -> str:
+    parts = urlsplit(url)
+    return parts.netloc or url
+
+
+class ReplicaSet:
+    """Replicas by id, grouped by model at lookup time (groups are small; no second map to keep)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Replica] = {}
+        self._request_ids = itertools.count(1)
+
+    def __contains__(self, replica_id: str) -> bool:
+        return replica_id in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def get(self, replica_id: str) -> Replica | None:
+        return self._by_id.get(replica_id)
+
+    def all(self) -> list[Replica]:
+        """By id: listings and metrics come out in a stable order whatever order replicas joined in."""
+        return sorted(self._by_id.values(), key=lambda r: r.id)
+
+    def by_url(self, url: str) -> Replica | None:
+        return next((r for r in self._by_id.values() if r.url == url), None)
+
+    def add(self, replica: Replica) -> None:
+        if replica.id in self._by_id:
+            raise ValueError(f"replica {replica.id!r} is already registered")
+        self._by_id[replica.id] = replica
+
+    def remove(self, replica_id: str) -> Replica | None:
+        return self._by_id.pop(replica_id, None)
+
+    def models(self) -> list[str]:
+        return sorted({r.model for r in self._by_id.values()})
+
+    def serving(self, model: str) -> list[Replica]:
+        """Every replica of the model, routable or not: the policy skips unhealthy views itself."""
+        return sorted((r for r in self._by_id.values() if r.model == model), key=lambda r: r.id)
+
+    # -- the request path's accounting --------------------------------------------------------
+
+    def dispatched(
+        self,
+        replica: Replica,
+        now: float,
+        prefill_tokens: int,
+        recorded_tick: int | None = None,
+        kv_blocks: int = 0,
+    ) -> int:
+        """Record a request placed on `replica`, which computes `prefill_tokens` of its prompt and takes
+        `kv_blocks` more KV blocks; returns the handle for `started` and `finished`."""
+        handle = next(self._request_ids)
+        queued = replica.load()[2]
+        replica.inflight[handle] = InFlight(
+            now, prefill_tokens, queued, recorded_tick=recorded_tick, kv_blocks=kv_blocks
+        )
+        return handle
+
+    def started(self, replica: Replica, handle: int, ttft_s: float, *, alpha: float, min_tokens: int) -> None:
+        """The first token arrived: learn the prefill rate from how long that took (docs/design.md §5)."""
+        req = replica.inflight.get(handle)
+        if req is None or req.started:
+            return
+        req.started = True
+        work = req.prefill_tokens + req.queued_ahead
+        if req.prefill_tokens >= min_tokens and ttft_s > 0:
+            replica.prefill_rate += alpha * (work / ttft_s - replica.prefill_rate)
+            replica.rate_samples += 1
+            replica.speed_work += SPEED_ALPHA * (work - replica.speed_work)
+            replica.speed_seconds += SPEED_ALPHA * (ttft_s - replica.speed_seconds)
+
+    @staticmethod
+    def finished(replica: Replica, handle: int) -> None:
+        replica.inflight.pop(handle, None)

@@ -1,0 +1,168 @@
+"""Per-model tokenizers: the ones the workers use (protocol.tokenizer), so the gateway's block hashes
+are theirs, loaded before the gateway says it is ready.
+
+Ready means ready: the gateway loads (and warms, with one prompt through the chat template and the
+encoder) the tokenizer of every model it knows at start-up before it listens, so its first request
+costs what its second does. A model that appears later (a replica registering through Redis) has its
+tokenizer loaded in the background; until then its requests are routed by load alone, never held up
+and never refused.
+
+What one prompt may cost is bounded (`limits`): its first max_tokenized_chars characters are
+tokenized, its first max_routed_tokens ids routed on (a client's ids too); a prompt's head still names
+its prefix. Ids the gateway did not get from the whole prompt are never attached to what a bundled
+worker gets (`Prompt.tokenized`): that worker tokenizes the prompt itself.
+
+Tokenizing runs off the event loop, and without the GIL (protocol.tokenizer), on two threads: one
+for short prompts and one for long ones, so a long prompt waits only behind other long ones, and a
+burst of them never delays a short one nor takes more than one core. Past LONG_QUEUE long prompts
+waiting, another is routed by load instead of waiting too.
+
+A model configured with `tokenizer: none` routes without prefix information unless the client sends
+token ids: its replicas still get the request, the prompt just matches nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import orjson
+
+from gateway.config import Limits
+from gateway.forward.request_view import RequestView, prompt_ids
+from protocol.models import load_tokenizer_spec
+from protocol.tokenizer import HeadTokenizer, Tokenizer
+
+log = logging.getLogger("prefixgate.gateway.tokenizers")
+
+# Prompts of more characters than this (their text, or their messages and tools as JSON) are long:
+# about 30 ms of tokenizing.
+SHORT_PROMPT_CHARS = 32_768
+# Long prompts waiting or being tokenized at most (about max_tokenized_chars each: a few seconds in all).
+LONG_QUEUE = 8
+
+# A conversation through the template and the encoder once, so that the first request finds both warm.
+_WARM_UP = RequestView(
+    "chat", messages=[{"role": "system", "content": "warm-up"}, {"role": "user", "content": "Hello!"}]
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt as routing takes it."""
+
+    # The ids routed on: the prompt's first limits.max_routed_tokens ids at most.
+    ids: list[int]
+    # Whether the gateway tokenized the whole prompt itself and `ids` are all of it: only then are
+    # they attached to what a bundled worker gets (a client's own ids go as the client sent them).
+    tokenized: bool
+
+
+class Tokenizers:
+    def __init__(self, specs: dict[str, str], default_spec: str = "default") -> None:
+        self._specs = dict(specs)
+        self._default = default_spec
+        # Loaded (None: `tokenizer: none`, or a default that could not be loaded).
+        self._loaded: dict[str, Tokenizer | None] = {}
+        self._loading: dict[str, Future[None]] = {}
+        self.errors: dict[str, str] = {}
+        # Loading runs on the long prompts' thread: it is as slow as one.
+        self._short = ThreadPoolExecutor(1, thread_name_prefix="tokenize-short")
+        self._long = ThreadPoolExecutor(1, thread_name_prefix="tokenize-long")
+        self._long_queued = 0
+
+    def spec_of(self, model: str) -> str:
+        return self._specs.get(model, self._default)
+
+    def is_loaded(self, model: str) -> bool:
+        return model in self._loaded
+
+    async def load(self, models: list[str]) -> None:
+        """Load (and warm) these models' tokenizers now; raises for one configured explicitly that cannot
+        be loaded, since the gateway would otherwise run without the routing it was configured for."""
+        for model in models:
+            self.ensure(model)
+        await asyncio.gather(*(asyncio.wrap_future(self._loading[m]) for m in models))
+        for model in models:
+            if model in self._specs and model in self.errors:
+                raise RuntimeError(f"the tokenizer of {model!r} could not be loaded: {self.errors[model]}")
+
+    def ensure(self, model: str) -> None:
+        """Start loading `model`'s tokenizer in the background unless it is loaded or loading."""
+        if model not in self._loading:
+            self._loading[model] = self._long.submit(self._load, model)
+
+    def _load(self, model: str) -> None:
+        """On the long prompts' thread: load, warm, publish."""
+        spec = self.spec_of(model)
+        try:
+            tokenizer = load_tokenizer_spec(spec)
+            if tokenizer is not None:
+                prompt_ids(_WARM_UP, tokenizer)
+        except Exception as error:  # any failure leaves the model routed by load, loudly
+            self.errors[model] = f"{type(error).__name__}: {error}"
+            log.error("tokenizer %r of model %r failed to load; routing it by load: %s", spec, model, error)
+            tokenizer = None
+        self._loaded[model] = tokenizer
+
+    async def prompt(self, view: RequestView, model: str, limits: Limits) -> Prompt | None:
+        """The prompt as routing takes it; None when there is nothing to route on yet: no prompt, no
+        tokenizer for this model, one still loading (then this starts the load), or too many long
+        prompts already waiting."""
+        if view.token_ids is not None:
+            return Prompt(_head(view.token_ids, limits.max_routed_tokens), tokenized=False)
+        if not view.has_prompt:
+            return None
+        tokenizer = self._loaded.get(model)
+        if tokenizer is None:
+            if model not in self._loaded:
+                self.ensure(model)
+            return None
+        head = HeadTokenizer.of(tokenizer, limits.max_tokenized_chars)
+        loop = asyncio.get_running_loop()
+        if _chars(view) <= SHORT_PROMPT_CHARS:
+            ids = await loop.run_in_executor(self._short, prompt_ids, view, head)
+        elif self._long_queued >= LONG_QUEUE:
+            return None
+        else:
+            self._long_queued += 1
+            try:
+                ids = await loop.run_in_executor(self._long, prompt_ids, view, head)
+            finally:
+                self._long_queued -= 1
+        if ids is None:
+            return None
+        whole = not head.budget.cut and len(ids) <= limits.max_routed_tokens
+        return Prompt(_head(ids, limits.max_routed_tokens), tokenized=whole)
+
+    def status(self) -> dict[str, str]:
+        """Per model: loaded, loading, none (configured so) or the error that left it without one."""
+        out = {}
+        for model in self._loading:
+            if model in self.errors:
+                out[model] = f"failed: {self.errors[model]}"
+            elif model not in self._loaded:
+                out[model] = "loading"
+            else:
+                out[model] = "loaded" if self._loaded[model] is not None else "none"
+        return out
+
+    def close(self) -> None:
+        for pool in (self._short, self._long):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _head(ids: list[int], count: int) -> list[int]:
+    return ids if len(ids) <= count else ids[:count]
+
+
+def _chars(view: RequestView) -> int:
+    """About how many characters the prompt has (what tokenizing it costs), read without walking it."""
+    if view.text is not None:
+        return len(view.text)
+    try:
+        return len(orjson.dumps([view.messages, view.tools]))
+    except orjson.JSONEncodeError:  # nested past orjson's depth: long, whatever its size
+        return SHORT_PROMPT_CHARS + 1

@@ -1,0 +1,101 @@
+"""The admin and debug routes: the replica set listed, added to, drained and pruned, and a routing
+decision explained without sending anything. Who may call them is gateway.http.auth's to say."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from gateway.config import ReplicaEntry
+from gateway.forward.pd_legs import PAIRED_ROUTES
+from gateway.forward.request_view import Route, read_request
+from gateway.forward.router import decide
+from gateway.gateway import Gateway
+from gateway.http.keys import GATEWAY
+from gateway.http.reading import model_of, read_body, session_key
+from protocol.errors import ApiError
+from protocol.openai_api import parse_json
+
+
+def _replica_or_404(gw: Gateway, replica_id: str) -> Any:
+    replica = gw.replicas.get(replica_id)
+    if replica is None:
+        raise ApiError(404, f"no replica {replica_id!r}", param="id", code="replica_not_found")
+    return replica
+
+
+async def list_replicas(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    sync = gw.sync.states | gw.zmq_sync.states
+    rows = []
+    for r in gw.replicas.all():
+        row = r.to_json() | {
+            "index_blocks": gw.index.blocks_of(r.id),
+            "index_capacity_blocks": gw.index.capacity_of(r.id),
+        }
+        if r.id in sync:
+            row["kv_sync"] = sync[r.id].to_json()
+        rows.append(row)
+    pending = [{"url": url, "source": source} for url, (_, source) in gw.pending.items()]
+    return web.json_response({"replicas": rows, "pending": pending})
+
+
+async def add_replica(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    body = parse_json(await read_body(gw, request))
+    try:
+        entry = ReplicaEntry.model_validate(body, strict=True)  # JSON types as they are: no "16", no true
+    except ValueError as error:
+        raise ApiError(400, f"invalid replica: {error}", code="invalid_value") from None
+    replica = await gw.add_entry(entry, "admin")
+    if replica is None:
+        return web.json_response({"status": "pending", "url": entry.url}, status=202)
+    return web.json_response({"status": "active", "replica": replica.to_json()}, status=201)
+
+
+async def drain_replica(request: web.Request) -> web.Response:
+    replica = _replica_or_404(request.app[GATEWAY], request.match_info["id"])
+    replica.draining = request.match_info["action"] == "drain"
+    return web.json_response(replica.to_json())
+
+
+async def remove_replica(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    replica = _replica_or_404(gw, request.match_info["id"])
+    await gw.deactivate(replica.id)
+    return web.json_response({"status": "removed", "id": replica.id, "inflight": len(replica.inflight)})
+
+
+async def debug_route(request: web.Request) -> web.Response:
+    """Explain a decision without sending anything: GET ?prompt=...&model=..., or POST an OpenAI body
+    (`messages` makes it a chat request, `input` a Responses one)."""
+    gw = request.app[GATEWAY]
+    if request.method == "POST":
+        body = parse_json(await read_body(gw, request))
+    else:
+        body = {k: request.query[k] for k in ("model", "prompt", "user") if k in request.query}
+    route: Route = "chat" if "messages" in body else "responses" if "input" in body else "completions"
+    view = read_request(route, body)
+    model = model_of(gw, view.model, required=True)
+    assert model is not None
+    if not view.has_prompt:
+        raise ApiError(
+            400, "nothing to route: give a prompt, messages or input", param="prompt", code="invalid_value"
+        )
+    prompt = await gw.tokenizers.prompt(view, model, gw.config.limits)
+    tokens = prompt.ids if prompt is not None else None
+    session = session_key(gw, request, view)
+    replicas = gw.replicas.serving(model)
+    decision = decide(gw.policy, gw.index, replicas, tokens, session, gw.pd, route in PAIRED_ROUTES)
+    return web.json_response(
+        {
+            "model": model,
+            "policy": decision.policy,
+            "prompt_tokens": decision.prompt_tokens,
+            "tokenized": tokens is not None,
+            "order": decision.order,
+            "decision_us": round(decision.seconds * 1e6, 1),
+            "replicas": decision.explain(),
+        }
+    )

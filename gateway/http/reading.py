@@ -1,0 +1,159 @@
+"""What the gateway reads of a client's HTTP request before routing it: which route it is, its body
+(decoded, bounded in size and in time), its model, its session key, and the headers that go upstream."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway.forward.internal_fields import INTERNAL_HEADER_PREFIX
+from gateway.forward.proxy import HOP_BY_HOP, connection_named
+from gateway.forward.request_view import RequestView, Route
+from gateway.gateway import Gateway
+from protocol.errors import ApiError
+from protocol.openai_api import parse_json
+
+# The request content codings aiohttp decodes (br and zstd only with optional packages, not installed:
+# its parser refuses those itself).
+DECODED_CODINGS = frozenset({"identity", "gzip", "deflate"})
+# Routes the gateway serves by name (everything else under /v1 is "other"), and what it reads of them.
+NAMED_ROUTES: dict[str, Route] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+    "/v1/score": "score",
+    "/score": "score",
+    "/v1/rerank": "score",
+    "/rerank": "score",
+    "/v2/rerank": "score",
+    "/classify": "score",
+    "/pooling": "score",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
+
+# Client headers that describe the client's connection to the gateway, or that the gateway sets itself
+# upstream: never forwarded. The body arrives decoded, hence Content-Encoding; Accept-Encoding too, so
+# that replicas answer uncompressed and the gateway can read the usage it learns from.
+_NOT_FORWARDED = HOP_BY_HOP | {
+    "host",
+    "content-length",
+    "content-encoding",
+    "accept-encoding",
+    "expect",
+    "authorization",
+    "x-forwarded-for",
+    "x-forwarded-proto",
+    "x-forwarded-host",
+}
+
+
+def route_of(request: web.Request) -> Route:
+    return NAMED_ROUTES.get(request.path, "other") if request.method == "POST" else "other"
+
+
+def proxied_path(path: str) -> bool:
+    """The API routes: keys apply, and their outcomes are counted."""
+    return path.startswith("/v1/") or path in NAMED_ROUTES
+
+
+def model_of(gw: Gateway, name: str | None, required: bool) -> str | None:
+    """The model a request is for: the one it names, else the default one (the configured default, or
+    the only one). Naming a model no replica serves is a 404. A route that needs a model (`required`)
+    and names none when several are served is a 400; any other is then served by any replica."""
+    models = gw.replicas.models()
+    if name is None:
+        if gw.config.model is not None and gw.config.model in models:
+            return gw.config.model
+        if len(models) == 1:
+            return models[0]
+        if not required:
+            return None
+        raise ApiError(
+            400, f"model is required: this gateway serves {models}", param="model", code="model_required"
+        )
+    if name not in models:
+        raise ApiError(
+            404,
+            f"the model {name!r} does not exist; this gateway serves {models}",
+            param="model",
+            code="model_not_found",
+        )
+    return name
+
+
+def session_key(gw: Gateway, request: web.Request, view: RequestView) -> str | None:
+    """The session header, else the `user` field. A header is bytes, whatever it holds: one that is not
+    UTF-8 (aiohttp's surrogate escapes) is a key as good as any, its bytes written as escapes."""
+    header = request.headers.get(gw.config.routing.session_affinity.header)
+    if header:
+        return header.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return view.user
+
+
+def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
+    """The client's end-to-end headers, as they go upstream (Authorization by the config's rule), each
+    repeat kept (Cookie): less the hop-by-hop ones, those the client's Connection header names included.
+    The gateway records its hop as a reverse proxy does: X-Forwarded-For gains the client's address
+    after any the client sent (a replica trusts only the last one); X-Forwarded-Proto and
+    X-Forwarded-Host, how the client reached the gateway, replace any the client sent. A `Forwarded`
+    header goes as sent. `x-prefixgate-*` headers are the gateway's and its workers' alone (as the
+    body's fields: gateway.forward.internal_fields), so a client's never go upstream."""
+    dropped = _NOT_FORWARDED | connection_named(request.headers)
+    headers = CIMultiDict(
+        (k, v)
+        for k, v in request.headers.items()
+        if k.lower() not in dropped and not k.lower().startswith(INTERNAL_HEADER_PREFIX)
+    )
+    chain = [v for v in request.headers.getall("X-Forwarded-For", ()) if v.strip()]
+    if request.remote:
+        chain.append(request.remote)
+    if chain:
+        headers["X-Forwarded-For"] = ", ".join(chain)
+    headers["X-Forwarded-Proto"] = request.scheme
+    host = request.headers.get("Host")
+    if host:
+        headers["X-Forwarded-Host"] = host
+    return headers
+
+
+async def read_body(gw: Gateway, request: web.Request) -> bytes:
+    """The request body, decoded. A content coding aiohttp does not decode would otherwise be read as
+    if there were none; a body that does not arrive in time would hold its connection for ever."""
+    coding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if coding not in DECODED_CODINGS:
+        raise ApiError(
+            415,
+            f"Content-Encoding {coding!r} is not supported: send the body as is, gzip or deflate",
+            code="unsupported_content_encoding",
+        )
+    if request.content.is_eof():  # all there already, as small bodies are: no timer to arm
+        return await request.read()
+    timeout_s = gw.config.limits.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise ApiError(
+            408,
+            f"the request body did not arrive within {timeout_s:g} s",
+            code="body_timeout",
+            headers={"Connection": "close"},
+        ) from None
+
+
+def json_body(request: web.Request, route: Route, raw: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object. The named routes take nothing else (400); the others may carry any
+    content (a file upload), and are then routed without reading it."""
+    if route != "other":
+        return parse_json(raw)
+    if not raw or not request.content_type.endswith("json"):
+        return None
+    try:
+        return parse_json(raw)
+    except ApiError:
+        return None

@@ -1,0 +1,567 @@
+"""Keeps the gateway's RadixIndex exact for its bundled workers by replaying their KV events
+(docs/design.md §4).
+
+One follower task per replica applies the worker's event batches in sequence order, read either from
+Redis (the stream `prefixgate:kv:{id}`, shared by every gateway) or, in the embedded mode without
+Redis, from the worker itself over HTTP (the /kv/events long-poll). Whatever either transport cannot
+account for (a late start, a gap, an unknown incarnation) it settles the same way: the worker's
+/kv/snapshot replaces the replica's entries and names the sequence number it is consistent with, so
+following resumes right after it.
+
+Everything runs on the gateway's event loop, as does the routing that reads the index: a batch or a
+resync is applied between two awaits, so a lookup never sees half of one. A follower never gives up:
+failures are kept in its state and retried with bounded backoff, and only cancellation ends it.
+
+Stream entries, batches and snapshots are validated before anything is applied (hashes unsigned 64-bit
+integers, lists and sequence numbers bounded): one that fails is skipped and counted
+(gateway.rejections), and the cursor moves past it, so one bad entry never stalls a follower; the
+hole it leaves in the seqs resyncs as any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import aiohttp
+import msgspec
+from redis.asyncio import Redis
+
+from gateway.rejections import Rejections
+from gateway.sync.followers import Followers
+from protocol.cancellation import check_cancelled
+from protocol.kv_events import EventBatch, KVEvent
+from protocol.redis_keys import kv_stream_key
+from radix.index import RadixIndex
+
+log = logging.getLogger("prefixgate.gateway.sync")
+
+Transport = Literal["http", "redis"]
+
+# How long one /kv/events long-poll waits for a batch, and the extra allowed for the reply itself.
+POLL_TIMEOUT_S = 10.0
+POLL_SLACK_S = 5.0
+# XREAD BLOCK per call; must stay below the Redis client's socket timeout, or an idle stream reads as
+# an outage.
+BLOCK_MS = 1000
+# Stream entries per XREAD: bounds one read's work on the event loop after a backlog.
+READ_COUNT = 256
+# A snapshot holds every cached hash of a worker: allow it time, but not a hung connect.
+SNAPSHOT_TIMEOUT = aiohttp.ClientTimeout(total=30.0, sock_connect=5.0)
+# The least time between two reads of one worker's events. Under load a worker seals a batch every
+# step, and a read per batch cost the gateway as much CPU as the requests it routed; waiting this long
+# takes them in bursts, for an index at most this much staler.
+MIN_READ_INTERVAL_S = 0.02
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 2.0
+# Incarnations seen to end: their late stream entries (a stopping worker flushes its last batches) are
+# skipped instead of each one setting off a resync.
+RETIRED_INCARNATIONS = 8
+
+# What one batch, stream entry or snapshot may hold: far above a real worker's, low enough to bound
+# what a bad one costs.
+MAX_EVENT_HASHES = 1 << 20
+MAX_BATCH_EVENTS = 1 << 16
+MAX_POLL_BATCHES = 1 << 16
+MAX_SNAPSHOT_HASHES = 1 << 26
+MAX_SEQ = 2**63 - 1
+MAX_INCARNATION_CHARS = 256
+
+HASH_MAX = 2**64 - 1
+# Unsigned 64-bit: msgspec bounds ints to int64 only, so the upper bound is checked_hashes'.
+BlockHash = Annotated[int, msgspec.Meta(ge=0)]
+Hashes = Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_EVENT_HASHES)]
+Seq = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
+Incarnation = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_INCARNATION_CHARS)]
+
+
+def checked_hashes(hashes: list[int], parent: int | None = None) -> None:
+    """ValueError unless every hash (and the parent) fits in 64 bits (docs/design.md §3); the lower bound is
+    the decoder's."""
+    if (hashes and max(hashes) > HASH_MAX) or (parent is not None and parent > HASH_MAX):
+        raise ValueError("a block hash is not an unsigned 64-bit integer")
+
+
+class _Stored(msgspec.Struct, tag_field="type", tag="stored"):
+    hashes: Hashes = []
+    parent: BlockHash | None = None
+
+    def __post_init__(self) -> None:
+        checked_hashes(self.hashes, self.parent)
+
+
+class _Removed(msgspec.Struct, tag_field="type", tag="removed"):
+    hashes: Hashes = []
+
+    def __post_init__(self) -> None:
+        checked_hashes(self.hashes)
+
+
+class _Cleared(msgspec.Struct, tag_field="type", tag="cleared"):
+    pass
+
+
+_Events = Annotated[list[_Stored | _Removed | _Cleared], msgspec.Meta(max_length=MAX_BATCH_EVENTS)]
+
+
+class _Batch(msgspec.Struct):
+    incarnation: Incarnation
+    seq: Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQ)]
+    events: _Events
+
+
+class _Poll(msgspec.Struct):
+    """A /kv/events reply."""
+
+    seq: Seq
+    batches: Annotated[list[_Batch], msgspec.Meta(max_length=MAX_POLL_BATCHES)]
+
+
+class _Snapshot(msgspec.Struct):
+    incarnation: Incarnation
+    seq: Seq
+    hashes: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_SNAPSHOT_HASHES)]
+
+    def __post_init__(self) -> None:
+        checked_hashes(self.hashes)
+
+
+_EVENTS = msgspec.json.Decoder(_Events)
+_POLL = msgspec.json.Decoder(_Poll)
+_SNAPSHOT = msgspec.json.Decoder(_Snapshot)
+# What a bad entry raises: msgspec's errors are ValueErrors, as int()'s are.
+MALFORMED = (ValueError, TypeError, KeyError)
+
+
+class MalformedSnapshot(ValueError):
+    """A worker's /kv/snapshot is not one: following waits for a good one, with backoff."""
+
+
+def _event(event: _Stored | _Removed | _Cleared) -> KVEvent:
+    if isinstance(event, _Stored):
+        return KVEvent("stored", tuple(event.hashes), event.parent)
+    if isinstance(event, _Removed):
+        return KVEvent("removed", tuple(event.hashes))
+    return KVEvent("cleared")
+
+
+def _event_batch(incarnation: str, seq: int, events: list[_Stored | _Removed | _Cleared]) -> EventBatch:
+    return EventBatch(incarnation, seq, tuple(_event(e) for e in events))
+
+
+@dataclass(slots=True)
+class SyncState:
+    """Where one replica's follower stands, for metrics and the admin API. Times are Unix seconds."""
+
+    replica: str
+    url: str
+    transport: Transport
+    # The worker incarnation and the last batch of it that the index reflects; None before the first
+    # snapshot.
+    incarnation: str | None = None
+    seq: int = 0
+    batches_applied: int = 0
+    # Snapshot loads, the first one included.
+    resyncs: int = 0
+    errors: int = 0
+    last_applied_at: float | None = None
+    # When the oldest change that the index does not reflect yet happened (see lag_s); None when the
+    # follower is caught up.
+    behind_since: float | None = None
+    # The latest failure, while it lasts: None again once a read succeeds.
+    last_error: str | None = None
+    # Redis only: the id of the last stream entry consumed; None until following starts.
+    stream_id: str | None = None
+
+    @property
+    def synced(self) -> bool:
+        return self.incarnation is not None
+
+    def lag_s(self, now: float | None = None) -> float:
+        """How stale the index may be for this replica: 0 when the last read left nothing pending;
+        otherwise the age of the oldest change not applied yet: the stream entry's time (Redis),
+        when a poll found a backlog (HTTP), or the first failure of an outage."""
+        if self.behind_since is None:
+            return 0.0
+        return max(0.0, (time.time() if now is None else now) - self.behind_since)
+
+    def to_json(self, now: float | None = None) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "url": self.url,
+            "transport": self.transport,
+            "synced": self.synced,
+            "incarnation": self.incarnation,
+            "seq": self.seq,
+            "batches_applied": self.batches_applied,
+            "resyncs": self.resyncs,
+            "errors": self.errors,
+            "last_applied_at": self.last_applied_at,
+            "lag_s": round(self.lag_s(now), 3),
+            "last_error": self.last_error,
+        }
+
+
+class Backoff:
+    """Bounded exponential retry delays, reset by a success."""
+
+    def __init__(self, first_s: float = RETRY_FIRST_S, most_s: float = RETRY_MAX_S) -> None:
+        self.first_s = first_s
+        self.most_s = most_s
+        self.delay = 0.0
+
+    def failed(self) -> float:
+        self.delay = min(self.most_s, max(self.first_s, 2 * self.delay))
+        return self.delay
+
+    def succeeded(self) -> None:
+        self.delay = 0.0
+
+
+# -- applying ---------------------------------------------------------------------------------------
+
+
+def apply_batch(index: RadixIndex, replica: str, batch: EventBatch) -> None:
+    for event in batch.events:
+        if event.type == "stored":
+            index.insert(replica, event.hashes)
+        elif event.type == "removed":
+            index.remove(replica, event.hashes)
+        else:
+            index.clear(replica)
+
+
+def _apply(state: SyncState, index: RadixIndex, batch: EventBatch) -> None:
+    apply_batch(index, state.replica, batch)
+    state.seq = batch.seq
+    state.batches_applied += 1
+    state.last_applied_at = time.time()
+
+
+async def resync(
+    state: SyncState, index: RadixIndex, session: aiohttp.ClientSession, rejections: Rejections | None = None
+) -> None:
+    """Replace the replica's entries with the worker's snapshot; following resumes after its seq."""
+    async with session.get(f"{state.url.rstrip('/')}/kv/snapshot", timeout=SNAPSHOT_TIMEOUT) as response:
+        response.raise_for_status()
+        body = await response.read()
+    # Validated whole before touching the index, so a malformed reply leaves it as it was.
+    try:
+        snap = _SNAPSHOT.decode(body)
+    except msgspec.DecodeError as error:
+        (rejections or Rejections()).reject("kv_events", f"{state.replica}'s /kv/snapshot", error)
+        raise MalformedSnapshot(f"{state.replica}'s /kv/snapshot: {error}") from None
+    index.clear(state.replica)
+    index.insert(state.replica, snap.hashes)
+    state.incarnation, state.seq = snap.incarnation, snap.seq
+    state.resyncs += 1
+
+
+def _failed(state: SyncState, backoff: Backoff, error: Exception) -> float:
+    """Record a failure; the delay before the next attempt. Logs once per outage, not per attempt."""
+    if backoff.delay == 0.0:
+        log.warning(
+            "kv sync: replica %s (%s, %s) failed: %r; retrying with backoff",
+            state.replica,
+            state.transport,
+            state.url,
+            error,
+        )
+    state.errors += 1
+    state.last_error = f"{type(error).__name__}: {error}"
+    if state.behind_since is None:
+        state.behind_since = time.time()
+    return backoff.failed()
+
+
+def _recovered(state: SyncState, backoff: Backoff) -> None:
+    if backoff.delay:
+        log.info("kv sync: replica %s follows again", state.replica)
+    backoff.succeeded()
+    state.last_error = None
+
+
+async def _pace(started: float) -> None:
+    """Hold the next read until MIN_READ_INTERVAL_S after this one began (a long-poll that waited
+    that long already goes again at once)."""
+    rest = MIN_READ_INTERVAL_S - (time.monotonic() - started)
+    if rest > 0:
+        await asyncio.sleep(rest)
+
+
+# -- HTTP transport ---------------------------------------------------------------------------------
+
+
+async def follow_http(
+    state: SyncState,
+    index: RadixIndex,
+    session: aiohttp.ClientSession,
+    *,
+    poll_timeout_s: float = POLL_TIMEOUT_S,
+    retry_max_s: float = RETRY_MAX_S,
+    rejections: Rejections | None = None,
+) -> None:
+    """Follow the worker's /kv/events long-poll until cancelled.
+
+    A state never synced starts from the snapshot (a gateway that starts late must hold the current
+    set); one that was followed before resumes after its seq. A 410 (the worker's ring moved past
+    that seq, or the worker restarted as a new incarnation), or a reply that is not one, resyncs.
+    """
+    backoff = Backoff(most_s=retry_max_s)
+    rejections = rejections or Rejections()
+    while True:
+        started = time.monotonic()
+        try:
+            if not state.synced:
+                await resync(state, index, session, rejections)
+            await _poll(state, index, session, poll_timeout_s, rejections)
+        except Exception as error:
+            await asyncio.sleep(_failed(state, backoff, error))
+            continue
+        _recovered(state, backoff)
+        await _pace(started)
+
+
+async def _poll(
+    state: SyncState,
+    index: RadixIndex,
+    session: aiohttp.ClientSession,
+    timeout_s: float,
+    rejections: Rejections,
+) -> None:
+    asked = time.time()
+    params = {"after": state.seq, "timeout": timeout_s, "incarnation": str(state.incarnation)}
+    timeout = aiohttp.ClientTimeout(
+        total=timeout_s + POLL_SLACK_S, sock_connect=SNAPSHOT_TIMEOUT.sock_connect
+    )
+    async with session.get(f"{state.url.rstrip('/')}/kv/events", params=params, timeout=timeout) as response:
+        gone = response.status == 410
+        if not gone:
+            response.raise_for_status()
+            raw = await response.read()
+    body = None
+    if not gone:
+        try:
+            body = _POLL.decode(raw)
+        except msgspec.DecodeError as error:
+            # What it held is unknown, removals included: only a snapshot accounts for it.
+            rejections.reject("kv_events", f"{state.replica}'s /kv/events reply", error)
+            state.errors += 1
+    if body is None:
+        state.behind_since = state.behind_since or asked
+        await resync(state, index, session, rejections)
+        state.behind_since = None
+        return
+    for batch in body.batches:
+        if batch.incarnation != state.incarnation or batch.seq != state.seq + 1:
+            log.warning("kv sync: replica %s sent batch %d out of order; resyncing", state.replica, batch.seq)
+            await resync(state, index, session, rejections)
+            return
+        _apply(state, index, _event_batch(batch.incarnation, batch.seq, batch.events))
+    # A reply cut at the server's limit leaves a backlog, which the next poll takes at once.
+    state.behind_since = None if body.seq <= state.seq else (state.behind_since or asked)
+
+
+# -- Redis transport --------------------------------------------------------------------------------
+
+
+def _text(value: str | bytes) -> str:
+    """Clients with and without decode_responses both work."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def entry_time(entry_id: str) -> float:
+    """When Redis added a stream entry (its id's millisecond part), in Unix seconds."""
+    return int(entry_id.split("-", 1)[0]) / 1000
+
+
+async def stream_tail(redis: Redis, key: str) -> str:
+    """The id of the stream's newest entry ("0-0" when it has none). Reading after it misses nothing
+    added from now on, unlike XREAD's "$", which means "newest" anew at every call."""
+    newest = await redis.xrevrange(key, count=1)
+    check_cancelled()
+    return _text(newest[0][0]) if newest else "0-0"
+
+
+async def read_stream(
+    redis: Redis, key: str, after: str, count: int, block_ms: int
+) -> list[tuple[str, Mapping[str, str]]]:
+    """Up to `count` entries after `after`, waiting up to `block_ms` for one; ids and fields as text."""
+    reply = await redis.xread({key: after}, count=count, block=block_ms)
+    check_cancelled()
+    return [
+        (_text(entry_id), {_text(k): _text(v) for k, v in fields.items()})
+        for _, entries in reply
+        for entry_id, fields in entries
+    ]
+
+
+def parse_entry(fields: Mapping[str, str]) -> EventBatch:
+    """A KV stream entry's batch; ValueError, TypeError or KeyError when it is not a valid one."""
+    incarnation, seq = fields["incarnation"], int(fields["seq"])
+    if not 0 < seq <= MAX_SEQ:
+        raise ValueError(f"seq {seq} is out of range")
+    if not 0 < len(incarnation) <= MAX_INCARNATION_CHARS:
+        raise ValueError(f"an incarnation of {len(incarnation)} characters")
+    return _event_batch(incarnation, seq, _EVENTS.decode(fields["events"]))
+
+
+async def follow_redis(
+    state: SyncState,
+    index: RadixIndex,
+    redis: Redis,
+    session: aiohttp.ClientSession,
+    *,
+    block_ms: int = BLOCK_MS,
+    count: int = READ_COUNT,
+    retry_max_s: float = RETRY_MAX_S,
+    rejections: Rejections | None = None,
+) -> None:
+    """Follow the worker's stream in Redis until cancelled; snapshots still come over HTTP.
+
+    A state never followed notes the stream's newest entry, then loads the snapshot, then reads after
+    that entry: whatever lands between the two is read and, where the snapshot covers it already, skipped
+    by its seq. One that was followed before resumes after its last entry. A Redis that restarted
+    empty, or a trimmed stream, shows as a hole in the seqs and resyncs; a new incarnation's batch 1
+    (a lone `cleared`) just starts it afresh.
+    """
+    key = kv_stream_key(state.replica)
+    backoff = Backoff(most_s=retry_max_s)
+    retired: deque[str] = deque(maxlen=RETIRED_INCARNATIONS)
+    rejections = rejections or Rejections()
+    while True:
+        check_cancelled()
+        started = time.monotonic()
+        try:
+            if state.stream_id is None:
+                tail = await stream_tail(redis, key)
+                await resync(state, index, session, rejections)
+                state.stream_id = tail
+            entries = await read_stream(redis, key, state.stream_id, count, block_ms)
+            for entry_id, fields in entries:
+                try:
+                    batch = parse_entry(fields)
+                except MALFORMED as error:
+                    # Skipped: if it was a batch, the next one shows the hole, which resyncs.
+                    rejections.reject("kv_stream", f"{key} entry {entry_id}", error)
+                    state.errors += 1
+                else:
+                    await _consume(state, index, session, retired, entry_id, batch, rejections)
+                state.stream_id = entry_id
+        except Exception as error:
+            await asyncio.sleep(_failed(state, backoff, error))
+            continue
+        _recovered(state, backoff)
+        # A full read may have left more behind it, the next of them newer than the last one read.
+        state.behind_since = entry_time(entries[-1][0]) if len(entries) >= count else None
+        await _pace(started)
+
+
+async def _consume(
+    state: SyncState,
+    index: RadixIndex,
+    session: aiohttp.ClientSession,
+    retired: deque[str],
+    entry_id: str,
+    batch: EventBatch,
+    rejections: Rejections,
+) -> None:
+    if batch.incarnation in retired:
+        return
+    if batch.incarnation != state.incarnation and batch.seq == 1:
+        if state.incarnation is not None:
+            retired.append(state.incarnation)
+        state.incarnation, state.seq = batch.incarnation, 0
+    elif batch.incarnation != state.incarnation or batch.seq > state.seq + 1:
+        if state.behind_since is None:
+            state.behind_since = entry_time(entry_id)
+        before = state.incarnation
+        await resync(state, index, session, rejections)
+        for ended in (before, batch.incarnation):
+            if ended is not None and ended != state.incarnation and ended not in retired:
+                retired.append(ended)
+    if batch.incarnation == state.incarnation and batch.seq == state.seq + 1:
+        _apply(state, index, batch)
+
+
+# -- the runner -------------------------------------------------------------------------------------
+
+
+class IndexSync:
+    """One follower task per bundled replica, all feeding one index: through Redis when the gateway
+    has a client, else over HTTP from each worker.
+
+    The replica set owns the index's replicas: it calls `index.add_replica` before `start`, and `stop`
+    before `index.drop_replica`.
+    """
+
+    def __init__(
+        self,
+        index: RadixIndex,
+        session: aiohttp.ClientSession,
+        redis: Redis | None = None,
+        *,
+        poll_timeout_s: float = POLL_TIMEOUT_S,
+        block_ms: int = BLOCK_MS,
+        retry_max_s: float = RETRY_MAX_S,
+        rejections: Rejections | None = None,
+    ) -> None:
+        self.index = index
+        self.session = session
+        self.redis = redis
+        self.poll_timeout_s = poll_timeout_s
+        self.block_ms = block_ms
+        self.retry_max_s = retry_max_s
+        self.rejections = rejections or Rejections()
+        self._followers: Followers[SyncState] = Followers()
+
+    @property
+    def transport(self) -> Transport:
+        return "http" if self.redis is None else "redis"
+
+    @property
+    def states(self) -> dict[str, SyncState]:
+        """The followed replicas' states by id (a copy; the states themselves are live)."""
+        return self._followers.states
+
+    def start(self, replica_id: str, url: str) -> SyncState:
+        """Follow a replica (already in the index). For a replica followed already this only updates
+        its url (a worker that restarted elsewhere under the same id): its follower keeps its place."""
+        state = self._followers.get(replica_id)
+        if state is not None:
+            state.url = url
+            return state
+        state = SyncState(replica_id, url, self.transport)
+        follow: Coroutine[Any, Any, None]
+        if self.redis is None:
+            follow = follow_http(
+                state,
+                self.index,
+                self.session,
+                poll_timeout_s=self.poll_timeout_s,
+                retry_max_s=self.retry_max_s,
+                rejections=self.rejections,
+            )
+        else:
+            follow = follow_redis(
+                state,
+                self.index,
+                self.redis,
+                self.session,
+                block_ms=self.block_ms,
+                retry_max_s=self.retry_max_s,
+                rejections=self.rejections,
+            )
+        return self._followers.start(replica_id, state, follow, "kv-sync")
+
+    def stop(self, replica_id: str) -> None:
+        """Stop following a replica: it may be dropped from the index once this returns."""
+        self._followers.stop(replica_id)
+
+    async def close(self) -> None:
+        await self._followers.close()
