@@ -78,7 +78,7 @@ from bench.workloads import (
     Turn,
     total_turns,
 )
-from gateway.forward.proxy import PREDICTED_TTFT_HEADER
+from gateway.forward.relay_headers import PREDICTED_TTFT_HEADER
 from gateway.forward.upstream import UpstreamClient, UpstreamError, header_count
 from policies import POLICY_NAMES
 from workers.server import WORKER_HEADER

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from gateway.forward.proxy import ACCOUNTED
+from gateway.forward.outcome import ACCOUNTED
 from gateway.http.auth import authorize
 from gateway.http.keys import GATEWAY
 from gateway.http.reading import proxied_path, route_of

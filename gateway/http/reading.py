@@ -10,7 +10,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from gateway.forward.internal_fields import INTERNAL_HEADER_PREFIX
-from gateway.forward.proxy import HOP_BY_HOP, connection_named
+from gateway.forward.relay_headers import HOP_BY_HOP, connection_named
 from gateway.forward.request_view import RequestView, Route
 from gateway.gateway import Gateway
 from protocol.errors import ApiError

@@ -31,7 +31,7 @@ from bench.vllm_fleet import (
     vllm_fleet,
 )
 from bench.words import text_of
-from gateway.forward.proxy import PREDICTED_CACHED_HEADER
+from gateway.forward.relay_headers import PREDICTED_CACHED_HEADER
 from tests.support.polling import wait_for
 
 SPEC = VllmSpec(count=1, num_blocks=48, max_model_len=1024, tools=True)

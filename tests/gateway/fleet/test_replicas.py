@@ -5,27 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.fleet.replicas import LoadReport, Replica, ReplicaSet
+from gateway.fleet.replicas import LoadReport, ReplicaSet
 from gateway.forward.router import MIN_SPEED_SAMPLES, decide, routing_rates
 from policies import RoutingConfig, build_pd, build_policy
 from radix import RadixIndex, block_hashes
-
-MODEL = "m"
-
-
-def replica(rid: str, block_size: int = 4, **kwargs: object) -> Replica:
-    fields: dict[str, object] = {
-        "id": rid,
-        "url": f"http://{rid}",
-        "kind": "bundled",
-        "model": MODEL,
-        "block_size": block_size,
-        "capacity_blocks": 100,
-        "max_context_len": 1000,
-        "source": "config",
-        "prefill_rate": 1000.0,
-    }
-    return Replica(**(fields | kwargs))  # type: ignore[arg-type]
+from tests.support.replicas import MODEL, replica
 
 
 def test_load_adds_only_what_was_placed_after_the_report() -> None:
