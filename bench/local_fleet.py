@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -42,11 +43,33 @@ POLL_S = 0.2
 LOG_TAIL_CHARS = 3000
 
 
+# Ports free_port picks among, just below the ephemeral range.
+_PORTS_BELOW_EPHEMERAL = 12_000
+
+
 def free_port() -> int:
-    """A loopback port nothing listens on now (the kernel's pick; a race only with other starters)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing is bound to now, below the kernel's ephemeral range: one from that range
+    (the kernel's own pick) can be taken, before its server binds it, as the local port of any outgoing
+    connection (a gateway's, a health probe's), which once kept a fleet test's worker from starting;
+    below it, the race is only with other starters, spread by the random pick."""
+    floor = _ephemeral_floor()
+    for _ in range(200):
+        port = random.randrange(max(1024, floor - _PORTS_BELOW_EPHEMERAL), floor)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in the {_PORTS_BELOW_EPHEMERAL} below {floor}")
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux's default when it cannot say)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
-from contextlib import ExitStack
 
 from aiohttp import web
 
@@ -15,12 +13,11 @@ __all__ = ["ServerThread", "distinct_ports", "free_port"]
 
 
 def distinct_ports(count: int) -> list[int]:
-    """Loopback ports nothing listens on now, all different (each held open until all are chosen)."""
-    with ExitStack() as stack:
-        held = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for s in held:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in held]
+    """Loopback ports nothing listens on now, all different, below the ephemeral range (free_port)."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    return list(ports)
 
 
 class ServerThread:
