@@ -8,6 +8,10 @@ stopped on the way out (SIGINT, then SIGKILL), errors included; each writes to a
 work folder, whose tail is shown when a process fails to start. Every process gets the same KV
 transfer secret in its environment (`transfer_secret`), so prefill and decode workers pair up, and a
 benchmark can sign a pairing itself.
+
+The one harness for local fleets: `local_fleet` starts a whole one (workers and a gateway); `Fleet`
+holds processes started one by one (`start_worker`, `start_gateway`, `start_redis`), as the chaos
+scenarios, the soak and the fault tests build theirs; `wait_healthy` is what ready means for all.
 """
 
 from __future__ import annotations
@@ -23,14 +27,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import yaml
 
+from bench.probes import wait_until
 from protocol.transfer_auth import SECRET_ENV
 from workers.sim.profiles import get_profile
 
@@ -40,6 +45,8 @@ START_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 10.0
 REDIS_START_TIMEOUT_S = 10.0
 POLL_S = 0.2
+# A redis-server answers within milliseconds of starting: polled finer than the Python processes.
+REDIS_POLL_S = 0.05
 LOG_TAIL_CHARS = 3000
 
 
@@ -129,16 +136,24 @@ def worker_command(spec: SimWorkers, worker_id: str, port: int) -> list[str]:
     return [*command, "--log-level", "WARNING"]
 
 
-def gateway_config(model: str, worker_urls: Sequence[str], policy: str, port: int) -> dict[str, Any]:
-    """Embedded mode (no Redis) over the given workers. The model routes on the token ids the clients
-    send, so the gateway loads no tokenizer (`none`): it would only slow the first request."""
-    return {
-        "model": model,
-        "models": {model: {"tokenizer": "none"}},
-        "listen": {"host": "127.0.0.1", "port": port},
-        "replicas": [{"url": url} for url in worker_urls],
-        "routing": {"policy": policy},
-    }
+def gateway_config(
+    model: str,
+    worker_urls: Sequence[str],
+    policy: str | None = None,
+    port: int | None = None,
+    **sections: Any,
+) -> dict[str, Any]:
+    """A gateway over the given workers, embedded mode (no Redis) unless `sections` add one; `sections`
+    replace whole top-level sections. The model routes on the token ids the clients send, so the
+    gateway loads no tokenizer (`none`): it would only slow the first request. Without a `port` the
+    config has no `listen` (start_gateway sets it); without a `policy`, the gateway's default."""
+    config: dict[str, Any] = {"model": model, "models": {model: {"tokenizer": "none"}}}
+    if port is not None:
+        config["listen"] = {"host": "127.0.0.1", "port": port}
+    config["replicas"] = [{"url": url} for url in worker_urls]
+    if policy is not None:
+        config["routing"] = {"policy": policy}
+    return {**config, **sections}
 
 
 @functools.cache
@@ -157,24 +172,93 @@ def spawn(name: str, command: list[str], url: str, workdir: Path) -> Child:
     return Child(name, url, proc, log)
 
 
-def _ready(child: Child, replicas: int | None) -> bool:
-    """Its /health answers 200; for a gateway, with every one of `replicas` routable."""
-    try:
-        response = httpx.get(f"{child.url}/health", timeout=1.0)
-    except httpx.HTTPError:
-        return False
-    if response.status_code != 200:
-        return False
-    return replicas is None or response.json()["replicas"]["routable"] == replicas
+def start_worker(
+    workdir: Path, spec: SimWorkers, worker_id: str, *flags: str, port: int | None = None
+) -> Child:
+    """One simulated worker of `spec` on `port` (a free one by default); `flags` go last and win."""
+    port = port or free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    command = [*worker_command(spec, worker_id, port), *flags]
+    return spawn(f"worker-{worker_id}", command, f"http://127.0.0.1:{port}", workdir)
 
 
-def _pong(port: int) -> bool:
+def start_gateway(workdir: Path, name: str, config: Mapping[str, Any]) -> Child:
+    """`prefixgate serve` on a free port with `config` (its `listen` is set here), written to
+    `name`.yaml in the work folder."""
+    port = free_port()
+    path = workdir / f"{name}.yaml"
+    workdir.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({**config, "listen": {"host": "127.0.0.1", "port": port}}))
+    command = cli("serve", "--config", str(path), "--log-level", "WARNING")
+    return spawn(name, command, f"http://127.0.0.1:{port}", workdir)
+
+
+def _pong(url: str) -> bool:
+    """A redis-server at this redis:// URL answers PING."""
+    host, port = url.removeprefix("redis://").split("/")[0].split(":")
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+        with socket.create_connection((host, int(port)), timeout=0.5) as conn:
             conn.sendall(b"PING\r\n")
             return conn.recv(16).startswith(b"+PONG")
     except OSError:
         return False
+
+
+def healthy(child: Child, routable: int | Literal["all"] | None = None) -> bool:
+    """A Redis child answers PING; any other, /health with 200 and, given `routable`, that many of the
+    replicas it lists (a gateway) routable, or (`all`) every one it lists, at least one, when it
+    lists any."""
+    if child.url.startswith("redis://"):
+        return _pong(child.url)
+    try:
+        response = httpx.get(f"{child.url}/health", timeout=1.0)
+    except httpx.HTTPError:
+        return False
+    if response.status_code != 200 or routable is None:
+        return response.status_code == 200
+    try:
+        replicas = response.json().get("replicas")
+    except (ValueError, AttributeError):
+        replicas = None
+    if not isinstance(replicas, dict):
+        return routable == "all"
+    if routable == "all":
+        return replicas["routable"] == replicas["total"] > 0
+    return replicas["routable"] == routable
+
+
+def wait_healthy(
+    children: Sequence[Child],
+    timeout_s: float = START_TIMEOUT_S,
+    *,
+    routable: Mapping[str, int] | Literal["all"] = "all",
+    poll_s: float = POLL_S,
+) -> None:
+    """Until every child is `healthy`, or RuntimeError naming the process that died or did not come
+    up, with the tail of its log. `routable`: how many replicas each gateway, by name, must route to
+    (the others need only answer), or `all`: every gateway all the replicas it lists."""
+    waiting = list(children)
+
+    def ready(child: Child) -> bool:
+        return healthy(child, routable if isinstance(routable, str) else routable.get(child.name))
+
+    def up() -> bool:
+        for child in children:
+            if child.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{child.name} exited with status {child.proc.returncode} while starting:\n"
+                    f"{child.log_tail()}"
+                )
+        waiting[:] = [c for c in waiting if not ready(c)]
+        return not waiting
+
+    try:
+        wait_until(up, timeout_s, "the fleet to start", poll_s)
+    except TimeoutError as error:
+        child = waiting[0]
+        raise RuntimeError(
+            f"{child.name} at {child.url} not ready in {timeout_s:.0f} s:\n{child.log_tail()}"
+        ) from error
 
 
 def start_redis(workdir: Path, port: int | None = None, timeout_s: float = REDIS_START_TIMEOUT_S) -> Child:
@@ -191,36 +275,18 @@ def start_redis(workdir: Path, port: int | None = None, timeout_s: float = REDIS
         "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning",
     ]  # fmt: skip
     child = spawn(f"redis-{port}", command, f"redis://127.0.0.1:{port}/0", workdir)
-    deadline = time.monotonic() + timeout_s
-    while not _pong(port):
-        if child.proc.poll() is not None or time.monotonic() > deadline:
-            stop([child])
-            raise RuntimeError(f"redis-server on port {port} did not start:\n{child.log_tail()}")
-        time.sleep(0.05)
+    try:
+        wait_healthy([child], timeout_s, poll_s=REDIS_POLL_S)
+    except RuntimeError as error:
+        stop([child])
+        raise RuntimeError(f"redis-server on port {port} did not start: {error}") from error
     return child
 
 
 def wait_ready(fleet: LocalFleet, timeout_s: float = START_TIMEOUT_S) -> None:
-    """Until every worker and the gateway (all replicas routable) answer, or RuntimeError naming the
-    process that died or did not come up, with the tail of its log."""
-    deadline = time.monotonic() + timeout_s
-    waiting = list(fleet.children)
-    while waiting:
-        for child in waiting:
-            if child.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{child.name} exited with status {child.proc.returncode} while starting:\n"
-                    f"{child.log_tail()}"
-                )
-        replicas = len(fleet.workers)
-        waiting = [c for c in waiting if not _ready(c, replicas if c is fleet.gateway else None)]
-        if waiting and time.monotonic() > deadline:
-            child = waiting[0]
-            raise RuntimeError(
-                f"{child.name} at {child.url} not ready in {timeout_s:.0f} s:\n{child.log_tail()}"
-            )
-        if waiting:
-            time.sleep(POLL_S)
+    """Until every worker and the gateway (every worker routable) answer; see wait_healthy."""
+    gateway = {fleet.gateway.name: len(fleet.workers)} if fleet.gateway else {}
+    wait_healthy(fleet.children, timeout_s, routable=gateway)
 
 
 def stop(children: Sequence[Child], timeout_s: float = STOP_TIMEOUT_S) -> None:
@@ -237,24 +303,46 @@ def stop(children: Sequence[Child], timeout_s: float = STOP_TIMEOUT_S) -> None:
             child.proc.wait()
 
 
+class Fleet(contextlib.ExitStack):
+    """Processes started one by one, all stopped on exit (SIGCONT first, for one left stopped): workers
+    and gateways (`add`) first, then the services they use (`add_service`: a redis-server), so that
+    workers leave the registry cleanly."""
+
+    def __init__(self, workdir: Path) -> None:
+        super().__init__()
+        self.workdir = workdir
+        self.children: list[Child] = []
+        self.services: list[Child] = []
+        self.callback(self._stop_all)
+
+    def add(self, child: Child) -> Child:
+        self.children.append(child)
+        return child
+
+    def add_service(self, child: Child) -> Child:
+        self.services.append(child)
+        return child
+
+    def _stop_all(self) -> None:
+        for child in self.children:
+            if child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGCONT)
+        stop(self.children)
+        stop(self.services)
+
+
 @contextlib.contextmanager
 def local_fleet(workdir: Path, workers: SimWorkers, policy: str | None = None) -> Iterator[LocalFleet]:
     """`workers` fresh simulated workers (empty caches) and, given a policy, a gateway in front of them,
     all started at once (the gateway retries replicas until they answer) and ready when this yields."""
-    workdir.mkdir(parents=True, exist_ok=True)
     fleet = LocalFleet([], None)
     try:
         for i in range(workers.count):
-            port = free_port()
-            command = worker_command(workers, f"w{i}", port)
-            fleet.workers.append(spawn(f"worker-w{i}", command, f"http://127.0.0.1:{port}", workdir))
+            fleet.workers.append(start_worker(workdir, workers, f"w{i}"))
         if policy is not None:
-            port = free_port()
-            config = workdir / f"gateway-{policy}.yaml"
-            urls = [w.url for w in fleet.workers]
-            config.write_text(yaml.safe_dump(gateway_config(workers.model, urls, policy, port)))
-            command = cli("serve", "--config", str(config), "--log-level", "WARNING")
-            fleet.gateway = spawn(f"gateway-{policy}", command, f"http://127.0.0.1:{port}", workdir)
+            config = gateway_config(workers.model, [w.url for w in fleet.workers], policy)
+            fleet.gateway = start_gateway(workdir, f"gateway-{policy}", config)
         wait_ready(fleet)
         yield fleet
     finally:

@@ -22,27 +22,27 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.arrivals import shared_prefix_arrivals, shared_prefix_workload
+from bench.loadgen import replay
 from bench.local_fleet import (
-    START_TIMEOUT_S,
     Child,
+    Fleet,
     SimWorkers,
-    cli,
-    free_port,
-    spawn,
+    gateway_config,
+    start_gateway,
     start_redis,
-    stop,
-    worker_command,
+    start_worker,
+    wait_healthy,
 )
-from bench.replay import ReplayResult, replay, shared_prefix_arrivals, shared_prefix_workload
+from bench.procfs import rss_bytes
+from bench.replay_result import ReplayResult
 from bench.report import format_table, write_json
 
 GATEWAYS = 2
@@ -65,6 +65,7 @@ OK, CLIENT_LEFT = "200", "499"
 SETTLE_S = 2.0
 # Registry heartbeats and load reports fast enough that a short run starts at once.
 WORKER_FLAGS = ("--heartbeat", "0.5", "--load-period", "0.1")
+MIB = 2**20
 
 
 @dataclass(slots=True)
@@ -95,22 +96,17 @@ class Sample:
 
 
 @dataclass(slots=True)
-class Fleet:
+class SoakFleet:
     redis: Child
     workers: list[Child]
     gateways: list[Child]
-    children: list[Child] = field(default_factory=list)
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.redis, *self.workers, *self.gateways]
 
 
 # -- measurements ------------------------------------------------------------------------------------
-
-
-def rss_mib(pid: int) -> float:
-    """Resident set size of a process, from /proc/PID/status (VmRSS, in kB)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"/proc/{pid}/status has no VmRSS line: is the process a zombie?")
 
 
 def read_metrics(text: str) -> tuple[int, dict[str, int]]:
@@ -132,7 +128,7 @@ async def sample(session: aiohttp.ClientSession, gateway: Child, t_s: float) -> 
     async with session.get(f"{gateway.url}/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
         text = await response.text()
     index, statuses = read_metrics(text)
-    return Sample(round(t_s, 2), gateway.name, round(rss_mib(gateway.pid), 2), index, statuses)
+    return Sample(round(t_s, 2), gateway.name, round(rss_bytes(gateway.pid) / MIB, 2), index, statuses)
 
 
 async def sampler(
@@ -169,71 +165,24 @@ async def sampler(
 # -- the fleet ---------------------------------------------------------------------------------------
 
 
-def gateway_config(model: str, redis_url: str, port: int, gateway_id: str) -> dict[str, Any]:
-    """A gateway that finds its replicas in the Redis registry and routes the token ids sent here."""
-    return {
-        "model": model,
-        "models": {model: {"tokenizer": "none"}},
-        "listen": {"host": "127.0.0.1", "port": port},
-        "redis": {"url": redis_url, "poll_interval_s": 0.2},
-        "routing": {"policy": "prefix_aware"},
-        "gateway_id": gateway_id,
-    }
-
-
-def _health(url: str) -> dict[str, Any] | None:
-    try:
-        response = httpx.get(f"{url}/health", timeout=1.0)
-        return response.json() if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
-def _routable(url: str) -> int | None:
-    """How many replicas a gateway routes to, or None while it does not answer."""
-    health = _health(url)
-    return int(health["replicas"]["routable"]) if health is not None else None
-
-
-def wait_ready(fleet: Fleet, timeout_s: float = START_TIMEOUT_S) -> None:
-    """Until every worker answers /health and every gateway routes to all of them (found in Redis)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for child in fleet.children:
-            if child.proc.poll() is not None:
-                raise RuntimeError(f"{child.name} exited with {child.proc.returncode}:\n{child.log_tail()}")
-        late = [w for w in fleet.workers if _health(w.url) is None]
-        late += [g for g in fleet.gateways if _routable(g.url) != len(fleet.workers)]
-        if not late:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{late[0].name} not ready in {timeout_s:.0f} s:\n{late[0].log_tail()}")
-        time.sleep(0.2)
-
-
 @contextlib.contextmanager
-def soak_fleet(workdir: Path, workers: SimWorkers, gateways: int) -> Iterator[Fleet]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    redis = start_redis(workdir / "redis")
-    fleet = Fleet(redis, [], [], [redis])
-    try:
-        for i in range(workers.count):
-            port = free_port()
-            command = [*worker_command(workers, f"w{i}", port), "--redis", redis.url, *WORKER_FLAGS]
-            fleet.workers.append(spawn(f"worker-w{i}", command, f"http://127.0.0.1:{port}", workdir))
-        for i in range(gateways):
-            port = free_port()
-            config = workdir / f"gateway-g{i}.yaml"
-            config.write_text(yaml.safe_dump(gateway_config(workers.model, redis.url, port, f"soak-g{i}")))
-            command = cli("serve", "--config", str(config), "--log-level", "WARNING")
-            fleet.gateways.append(spawn(f"gateway-g{i}", command, f"http://127.0.0.1:{port}", workdir))
-        fleet.children += [*fleet.workers, *fleet.gateways]
-        wait_ready(fleet)
-        yield fleet
-    finally:
-        # Gateways first (they follow the workers), Redis last (everyone talks to it).
-        stop([*fleet.gateways, *fleet.workers])
-        stop([redis])
+def soak_fleet(workdir: Path, workers: SimWorkers, gateways: int) -> Iterator[SoakFleet]:
+    """A private Redis, `workers` publishing to it and `gateways` that find them in its registry (all
+    of them routable when this yields); on the way out gateways and workers are stopped, then Redis."""
+    with Fleet(workdir) as running:
+        redis = running.add_service(start_redis(workdir / "redis"))
+        flags = ("--redis", redis.url, *WORKER_FLAGS)
+        started = [running.add(start_worker(workdir, workers, f"w{i}", *flags)) for i in range(workers.count)]
+        redis_section = {"url": redis.url, "poll_interval_s": 0.2}
+        configs = {
+            f"gateway-g{i}": gateway_config(
+                workers.model, [], "prefix_aware", redis=redis_section, gateway_id=f"soak-g{i}"
+            )
+            for i in range(gateways)
+        }
+        fronts = [running.add(start_gateway(workdir, name, config)) for name, config in configs.items()]
+        wait_healthy([redis, *started, *fronts], routable={g.name: len(started) for g in fronts})
+        yield SoakFleet(redis, started, fronts)
 
 
 # -- the verdict -------------------------------------------------------------------------------------

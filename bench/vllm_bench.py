@@ -41,8 +41,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.loadgen import replay_sessions
 from bench.peers import peer_router
-from bench.replay import ReplayResult, replay_sessions
+from bench.replay_result import ReplayResult
 from bench.report import bar_panels, format_table, write_json
 from bench.vllm_fleet import (
     BLOCK_SIZE,

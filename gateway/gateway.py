@@ -26,7 +26,7 @@ from gateway.fleet.predictions import Predictions
 from gateway.fleet.replicas import Replica, ReplicaSet, Source
 from gateway.fleet.response_owners import ResponseOwners
 from gateway.forward.tokenizers import Tokenizers
-from gateway.forward.upstream import UpstreamClient
+from gateway.forward.upstream_client import UpstreamClient
 from gateway.metrics import GatewayMetrics
 from gateway.sync.bundled_events import IndexSync
 from gateway.sync.zmq_events import ZmqSource, ZmqSync

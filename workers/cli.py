@@ -23,9 +23,10 @@ from protocol.transfer_auth import SECRET_ENV, parse_secret
 from workers.disaggregation import DEFAULT_ROOM_WAIT_S, DEFAULT_TRANSFER_TIMEOUT_S
 
 if TYPE_CHECKING:
+    from workers.app_state import Context
+    from workers.bundled_worker import Worker
     from workers.engine.engine import Engine, EngineConfig
     from workers.kv_events import KVEventLog
-    from workers.server import Context, Worker
     from workers.sim.engine import SimEngine
     from workers.sim.words import WordTokenizer
 
@@ -304,8 +305,8 @@ def sim_tokenizer(name: str, vocab_size: int) -> WordTokenizer | None:
 
 
 def build_worker(args: argparse.Namespace) -> Worker:
+    from workers.bundled_worker import Worker
     from workers.kv_events import KVEventLog
-    from workers.server import Worker
 
     # vLLM's events carry each stored block's tokens, which the log keeps only for that publisher.
     events = KVEventLog(keep_tokens=args.kv_events_zmq is not None)
@@ -378,7 +379,7 @@ def extra_contexts(args: argparse.Namespace) -> list[Context]:
 
 def run(args: argparse.Namespace) -> int:
     from protocol.serving import serve
-    from workers.server import create_app
+    from workers.worker_app import create_app
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -44,7 +44,7 @@ from protocol.disaggregation import (
     TRANSFERRED_TOKENS_HEADER,
 )
 from protocol.errors import ApiError
-from protocol.openai_api import are_token_ids
+from protocol.token_ids import are_token_ids
 from protocol.transfer_auth import (
     GRANT_TTL_S,
     SECRET_ENV,

@@ -43,8 +43,8 @@ from protocol.vllm_kv_events import (
     replay_answer,
     replay_end,
 )
+from workers.app_state import RUNTIME, Context, Runtime
 from workers.kv_events import EventsGone, StoredBlocks
-from workers.server import RUNTIME, Context, Runtime
 
 log = logging.getLogger("prefixgate.worker.zmq")
 

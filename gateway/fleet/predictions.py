@@ -44,16 +44,9 @@ import msgspec
 from redis.asyncio import Redis
 
 from gateway.rejections import Rejections
-from gateway.sync.bundled_events import (
-    BLOCK_MS,
-    MALFORMED,
-    READ_COUNT,
-    RETRY_MAX_S,
-    Backoff,
-    BlockHash,
-    checked_hashes,
-    read_stream,
-)
+from gateway.sync.bundled_wire import MALFORMED, BlockHash, checked_hashes
+from gateway.sync.redis_streams import BLOCK_MS, READ_COUNT, read_stream
+from gateway.sync.state import RETRY_MAX_S, Backoff
 from protocol.cancellation import check_cancelled
 from protocol.redis_keys import PREDICTIONS
 from radix.capacity import Predicted

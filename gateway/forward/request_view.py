@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from protocol.errors import ApiError, bad_value
-from protocol.openai_api import are_token_ids, chat_messages
+from protocol.openai_api import chat_messages
 from protocol.prompts import chat_prompt_ids
+from protocol.token_ids import are_token_ids
 from protocol.tokenizer import Tokenizer
 
 # How a route is routed: by the prompt's prefix, or by load alone.

@@ -12,10 +12,10 @@ Everything runs on the gateway's event loop, as does the routing that reads the 
 resync is applied between two awaits, so a lookup never sees half of one. A follower never gives up:
 failures are kept in its state and retried with bounded backoff, and only cancellation ends it.
 
-Stream entries, batches and snapshots are validated before anything is applied (hashes unsigned 64-bit
-integers, lists and sequence numbers bounded): one that fails is skipped and counted
-(gateway.rejections), and the cursor moves past it, so one bad entry never stalls a follower; the
-hole it leaves in the seqs resyncs as any other.
+Stream entries, batches and snapshots are validated before anything is applied
+(gateway.sync.bundled_wire): one that fails is skipped and counted (gateway.rejections), and the cursor
+moves past it, so one bad entry never stalls a follower; the hole it leaves in the seqs resyncs as any
+other.
 """
 
 from __future__ import annotations
@@ -24,203 +24,41 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from collections.abc import Coroutine
+from typing import Any
 
 import aiohttp
 import msgspec
 from redis.asyncio import Redis
 
 from gateway.rejections import Rejections
+from gateway.sync.bundled_wire import MALFORMED, decode_poll, decode_snapshot, parse_entry
 from gateway.sync.followers import Followers
+from gateway.sync.redis_streams import BLOCK_MS, READ_COUNT, entry_time, read_stream, stream_tail
+from gateway.sync.state import RETRY_MAX_S, Backoff, SyncState, Transport
 from protocol.cancellation import check_cancelled
-from protocol.kv_events import EventBatch, KVEvent
+from protocol.kv_events import EventBatch
 from protocol.redis_keys import kv_stream_key
 from radix.index import RadixIndex
 
 log = logging.getLogger("prefixgate.gateway.sync")
 
-Transport = Literal["http", "redis"]
-
 # How long one /kv/events long-poll waits for a batch, and the extra allowed for the reply itself.
 POLL_TIMEOUT_S = 10.0
 POLL_SLACK_S = 5.0
-# XREAD BLOCK per call; must stay below the Redis client's socket timeout, or an idle stream reads as
-# an outage.
-BLOCK_MS = 1000
-# Stream entries per XREAD: bounds one read's work on the event loop after a backlog.
-READ_COUNT = 256
 # A snapshot holds every cached hash of a worker: allow it time, but not a hung connect.
 SNAPSHOT_TIMEOUT = aiohttp.ClientTimeout(total=30.0, sock_connect=5.0)
 # The least time between two reads of one worker's events. Under load a worker seals a batch every
 # step, and a read per batch cost the gateway as much CPU as the requests it routed; waiting this long
 # takes them in bursts, for an index at most this much staler.
 MIN_READ_INTERVAL_S = 0.02
-RETRY_FIRST_S = 0.05
-RETRY_MAX_S = 2.0
 # Incarnations seen to end: their late stream entries (a stopping worker flushes its last batches) are
 # skipped instead of each one setting off a resync.
 RETIRED_INCARNATIONS = 8
 
-# What one batch, stream entry or snapshot may hold: far above a real worker's, low enough to bound
-# what a bad one costs.
-MAX_EVENT_HASHES = 1 << 20
-MAX_BATCH_EVENTS = 1 << 16
-MAX_POLL_BATCHES = 1 << 16
-MAX_SNAPSHOT_HASHES = 1 << 26
-MAX_SEQ = 2**63 - 1
-MAX_INCARNATION_CHARS = 256
-
-HASH_MAX = 2**64 - 1
-# Unsigned 64-bit: msgspec bounds ints to int64 only, so the upper bound is checked_hashes'.
-BlockHash = Annotated[int, msgspec.Meta(ge=0)]
-Hashes = Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_EVENT_HASHES)]
-Seq = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
-Incarnation = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_INCARNATION_CHARS)]
-
-
-def checked_hashes(hashes: list[int], parent: int | None = None) -> None:
-    """ValueError unless every hash (and the parent) fits in 64 bits (docs/design.md §3); the lower bound is
-    the decoder's."""
-    if (hashes and max(hashes) > HASH_MAX) or (parent is not None and parent > HASH_MAX):
-        raise ValueError("a block hash is not an unsigned 64-bit integer")
-
-
-class _Stored(msgspec.Struct, tag_field="type", tag="stored"):
-    hashes: Hashes = []
-    parent: BlockHash | None = None
-
-    def __post_init__(self) -> None:
-        checked_hashes(self.hashes, self.parent)
-
-
-class _Removed(msgspec.Struct, tag_field="type", tag="removed"):
-    hashes: Hashes = []
-
-    def __post_init__(self) -> None:
-        checked_hashes(self.hashes)
-
-
-class _Cleared(msgspec.Struct, tag_field="type", tag="cleared"):
-    pass
-
-
-_Events = Annotated[list[_Stored | _Removed | _Cleared], msgspec.Meta(max_length=MAX_BATCH_EVENTS)]
-
-
-class _Batch(msgspec.Struct):
-    incarnation: Incarnation
-    seq: Annotated[int, msgspec.Meta(ge=1, le=MAX_SEQ)]
-    events: _Events
-
-
-class _Poll(msgspec.Struct):
-    """A /kv/events reply."""
-
-    seq: Seq
-    batches: Annotated[list[_Batch], msgspec.Meta(max_length=MAX_POLL_BATCHES)]
-
-
-class _Snapshot(msgspec.Struct):
-    incarnation: Incarnation
-    seq: Seq
-    hashes: Annotated[list[BlockHash], msgspec.Meta(max_length=MAX_SNAPSHOT_HASHES)]
-
-    def __post_init__(self) -> None:
-        checked_hashes(self.hashes)
-
-
-_EVENTS = msgspec.json.Decoder(_Events)
-_POLL = msgspec.json.Decoder(_Poll)
-_SNAPSHOT = msgspec.json.Decoder(_Snapshot)
-# What a bad entry raises: msgspec's errors are ValueErrors, as int()'s are.
-MALFORMED = (ValueError, TypeError, KeyError)
-
 
 class MalformedSnapshot(ValueError):
     """A worker's /kv/snapshot is not one: following waits for a good one, with backoff."""
-
-
-def _event(event: _Stored | _Removed | _Cleared) -> KVEvent:
-    if isinstance(event, _Stored):
-        return KVEvent("stored", tuple(event.hashes), event.parent)
-    if isinstance(event, _Removed):
-        return KVEvent("removed", tuple(event.hashes))
-    return KVEvent("cleared")
-
-
-def _event_batch(incarnation: str, seq: int, events: list[_Stored | _Removed | _Cleared]) -> EventBatch:
-    return EventBatch(incarnation, seq, tuple(_event(e) for e in events))
-
-
-@dataclass(slots=True)
-class SyncState:
-    """Where one replica's follower stands, for metrics and the admin API. Times are Unix seconds."""
-
-    replica: str
-    url: str
-    transport: Transport
-    # The worker incarnation and the last batch of it that the index reflects; None before the first
-    # snapshot.
-    incarnation: str | None = None
-    seq: int = 0
-    batches_applied: int = 0
-    # Snapshot loads, the first one included.
-    resyncs: int = 0
-    errors: int = 0
-    last_applied_at: float | None = None
-    # When the oldest change that the index does not reflect yet happened (see lag_s); None when the
-    # follower is caught up.
-    behind_since: float | None = None
-    # The latest failure, while it lasts: None again once a read succeeds.
-    last_error: str | None = None
-    # Redis only: the id of the last stream entry consumed; None until following starts.
-    stream_id: str | None = None
-
-    @property
-    def synced(self) -> bool:
-        return self.incarnation is not None
-
-    def lag_s(self, now: float | None = None) -> float:
-        """How stale the index may be for this replica: 0 when the last read left nothing pending;
-        otherwise the age of the oldest change not applied yet: the stream entry's time (Redis),
-        when a poll found a backlog (HTTP), or the first failure of an outage."""
-        if self.behind_since is None:
-            return 0.0
-        return max(0.0, (time.time() if now is None else now) - self.behind_since)
-
-    def to_json(self, now: float | None = None) -> dict[str, Any]:
-        return {
-            "replica": self.replica,
-            "url": self.url,
-            "transport": self.transport,
-            "synced": self.synced,
-            "incarnation": self.incarnation,
-            "seq": self.seq,
-            "batches_applied": self.batches_applied,
-            "resyncs": self.resyncs,
-            "errors": self.errors,
-            "last_applied_at": self.last_applied_at,
-            "lag_s": round(self.lag_s(now), 3),
-            "last_error": self.last_error,
-        }
-
-
-class Backoff:
-    """Bounded exponential retry delays, reset by a success."""
-
-    def __init__(self, first_s: float = RETRY_FIRST_S, most_s: float = RETRY_MAX_S) -> None:
-        self.first_s = first_s
-        self.most_s = most_s
-        self.delay = 0.0
-
-    def failed(self) -> float:
-        self.delay = min(self.most_s, max(self.first_s, 2 * self.delay))
-        return self.delay
-
-    def succeeded(self) -> None:
-        self.delay = 0.0
 
 
 # -- applying ---------------------------------------------------------------------------------------
@@ -234,6 +72,13 @@ def apply_batch(index: RadixIndex, replica: str, batch: EventBatch) -> None:
             index.remove(replica, event.hashes)
         else:
             index.clear(replica)
+
+
+def _next_seq(state: SyncState) -> int:
+    """The seq that applies next; the state is synced by then (a snapshot, or a new incarnation's
+    first batch, set it)."""
+    assert state.seq is not None
+    return state.seq + 1
 
 
 def _apply(state: SyncState, index: RadixIndex, batch: EventBatch) -> None:
@@ -252,7 +97,7 @@ async def resync(
         body = await response.read()
     # Validated whole before touching the index, so a malformed reply leaves it as it was.
     try:
-        snap = _SNAPSHOT.decode(body)
+        snap = decode_snapshot(body)
     except msgspec.DecodeError as error:
         (rejections or Rejections()).reject("kv_events", f"{state.replica}'s /kv/snapshot", error)
         raise MalformedSnapshot(f"{state.replica}'s /kv/snapshot: {error}") from None
@@ -272,10 +117,7 @@ def _failed(state: SyncState, backoff: Backoff, error: Exception) -> float:
             state.url,
             error,
         )
-    state.errors += 1
-    state.last_error = f"{type(error).__name__}: {error}"
-    if state.behind_since is None:
-        state.behind_since = time.time()
+    state.failed(error)
     return backoff.failed()
 
 
@@ -284,6 +126,7 @@ def _recovered(state: SyncState, backoff: Backoff) -> None:
         log.info("kv sync: replica %s follows again", state.replica)
     backoff.succeeded()
     state.last_error = None
+    state.connected = True
 
 
 async def _pace(started: float) -> None:
@@ -344,71 +187,34 @@ async def _poll(
         if not gone:
             response.raise_for_status()
             raw = await response.read()
-    body = None
+    reply = None
     if not gone:
         try:
-            body = _POLL.decode(raw)
+            reply = decode_poll(raw)
         except msgspec.DecodeError as error:
             # What it held is unknown, removals included: only a snapshot accounts for it.
             rejections.reject("kv_events", f"{state.replica}'s /kv/events reply", error)
             state.errors += 1
-    if body is None:
-        state.behind_since = state.behind_since or asked
+    if reply is None:
+        state.behind(asked)
         await resync(state, index, session, rejections)
         state.behind_since = None
         return
-    for batch in body.batches:
-        if batch.incarnation != state.incarnation or batch.seq != state.seq + 1:
+    newest, batches = reply
+    for batch in batches:
+        if batch.incarnation != state.incarnation or batch.seq != _next_seq(state):
             log.warning("kv sync: replica %s sent batch %d out of order; resyncing", state.replica, batch.seq)
             await resync(state, index, session, rejections)
             return
-        _apply(state, index, _event_batch(batch.incarnation, batch.seq, batch.events))
+        _apply(state, index, batch)
     # A reply cut at the server's limit leaves a backlog, which the next poll takes at once.
-    state.behind_since = None if body.seq <= state.seq else (state.behind_since or asked)
+    if newest < _next_seq(state):
+        state.behind_since = None
+    else:
+        state.behind(asked)
 
 
 # -- Redis transport --------------------------------------------------------------------------------
-
-
-def _text(value: str | bytes) -> str:
-    """Clients with and without decode_responses both work."""
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def entry_time(entry_id: str) -> float:
-    """When Redis added a stream entry (its id's millisecond part), in Unix seconds."""
-    return int(entry_id.split("-", 1)[0]) / 1000
-
-
-async def stream_tail(redis: Redis, key: str) -> str:
-    """The id of the stream's newest entry ("0-0" when it has none). Reading after it misses nothing
-    added from now on, unlike XREAD's "$", which means "newest" anew at every call."""
-    newest = await redis.xrevrange(key, count=1)
-    check_cancelled()
-    return _text(newest[0][0]) if newest else "0-0"
-
-
-async def read_stream(
-    redis: Redis, key: str, after: str, count: int, block_ms: int
-) -> list[tuple[str, Mapping[str, str]]]:
-    """Up to `count` entries after `after`, waiting up to `block_ms` for one; ids and fields as text."""
-    reply = await redis.xread({key: after}, count=count, block=block_ms)
-    check_cancelled()
-    return [
-        (_text(entry_id), {_text(k): _text(v) for k, v in fields.items()})
-        for _, entries in reply
-        for entry_id, fields in entries
-    ]
-
-
-def parse_entry(fields: Mapping[str, str]) -> EventBatch:
-    """A KV stream entry's batch; ValueError, TypeError or KeyError when it is not a valid one."""
-    incarnation, seq = fields["incarnation"], int(fields["seq"])
-    if not 0 < seq <= MAX_SEQ:
-        raise ValueError(f"seq {seq} is out of range")
-    if not 0 < len(incarnation) <= MAX_INCARNATION_CHARS:
-        raise ValueError(f"an incarnation of {len(incarnation)} characters")
-    return _event_batch(incarnation, seq, _EVENTS.decode(fields["events"]))
 
 
 async def follow_redis(
@@ -477,15 +283,14 @@ async def _consume(
         if state.incarnation is not None:
             retired.append(state.incarnation)
         state.incarnation, state.seq = batch.incarnation, 0
-    elif batch.incarnation != state.incarnation or batch.seq > state.seq + 1:
-        if state.behind_since is None:
-            state.behind_since = entry_time(entry_id)
+    elif batch.incarnation != state.incarnation or batch.seq > _next_seq(state):
+        state.behind(entry_time(entry_id))
         before = state.incarnation
         await resync(state, index, session, rejections)
         for ended in (before, batch.incarnation):
             if ended is not None and ended != state.incarnation and ended not in retired:
                 retired.append(ended)
-    if batch.incarnation == state.incarnation and batch.seq == state.seq + 1:
+    if batch.incarnation == state.incarnation and batch.seq == _next_seq(state):
         _apply(state, index, batch)
 
 
@@ -518,7 +323,7 @@ class IndexSync:
         self.block_ms = block_ms
         self.retry_max_s = retry_max_s
         self.rejections = rejections or Rejections()
-        self._followers: Followers[SyncState] = Followers()
+        self._followers = Followers()
 
     @property
     def transport(self) -> Transport:

@@ -11,26 +11,28 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any, Generic, TypeVar
+from typing import Any
 
-S = TypeVar("S")
+from gateway.sync.state import SyncState
 
 
-class Followers(Generic[S]):
+class Followers:
     def __init__(self) -> None:
-        self._states: dict[str, S] = {}
+        self._states: dict[str, SyncState] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
 
-    def get(self, replica_id: str) -> S | None:
+    def get(self, replica_id: str) -> SyncState | None:
         return self._states.get(replica_id)
 
     @property
-    def states(self) -> dict[str, S]:
+    def states(self) -> dict[str, SyncState]:
         """The followed replicas' states by id (a copy; the states themselves are live)."""
         return dict(self._states)
 
-    def start(self, replica_id: str, state: S, follow: Coroutine[Any, Any, None], name: str) -> S:
+    def start(
+        self, replica_id: str, state: SyncState, follow: Coroutine[Any, Any, None], name: str
+    ) -> SyncState:
         self._states[replica_id] = state
         self._tasks[replica_id] = asyncio.create_task(follow, name=f"{name}:{replica_id}")
         return state

@@ -2,22 +2,9 @@
 (docs/design.md §4): vLLM and SGLang started with their KV-events config, or bundled workers started with
 `--kv-events-zmq`. The wire format is protocol.vllm_kv_events'.
 
-Hashes. A backend's block hashes are its own (vLLM's depend on its hash function and seed, SGLang's
-are not even chained), so every stored block is re-hashed from its token ids with docs/design.md §3, chained
-from the replica's model root, and each replica keeps the map from the backend's hashes to ours.
-A `BlockStored` whose parent is None starts at the root; one whose parent the map does not hold
-cannot be placed — its chain began before what this follower saw (or in blocks it does not route on)
-— so it is skipped, and with it every later block that chains from it, until the backend stores that
-prefix again from its first block. The index then lacks what it cannot name, and never holds what
-the backend does not: it is exact as far as the history reaches, and a subset of the truth beyond.
-
-What is not routed on is skipped the same way, counted by reason in the follower's state: blocks of
-another block size than the replica's configured `block_size` (the gateway hashes requests with that
-one: set it to the backend's), of a LoRA adapter, keyed on more than their tokens (`extra_keys`:
-multimodal inputs, cache salt), on a medium other than the GPU (offloaded copies), or in a KV cache
-group that is not full attention (hybrid models). Removals of skipped blocks find nothing to remove.
-A backend may cache one hash in several blocks: a removal drops one copy, and the index forgets the
-block when the last copy goes.
+Hashes. Every stored block is re-hashed from its token ids, chained from the replica's model root
+(gateway.sync.zmq_chains, which also says what is skipped and why): the index is exact as far as the
+history reaches, and a subset of the truth beyond.
 
 Sequence. The publisher numbers its batches from 0 and keeps the latest ones for replay. A batch
 applies when it is the next one. On a gap the follower asks the replay socket for everything from
@@ -47,9 +34,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import xxhash
 import zmq
@@ -57,13 +43,12 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from gateway.rejections import Rejections
-from gateway.sync.bundled_events import RETRY_MAX_S, Backoff
 from gateway.sync.followers import Followers
+from gateway.sync.state import RETRY_MAX_S, Backoff, SyncState
+from gateway.sync.zmq_chains import Chains
 from protocol.vllm_kv_events import (
     MAX_PAYLOAD_BYTES,
-    MEDIUM_GPU,
     AllBlocksCleared,
-    BlockHash,
     BlockRemoved,
     BlockStored,
     MalformedEvents,
@@ -72,7 +57,6 @@ from protocol.vllm_kv_events import (
     read_replay_answer,
     replay_request,
 )
-from radix.hashing import chain_hashes, root_hash
 from radix.index import RadixIndex
 
 log = logging.getLogger("prefixgate.gateway.zmq_sync")
@@ -92,9 +76,6 @@ RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 2000
 # vLLM's PUB high-water mark: a gateway that lags holds as much as the publisher would send.
 RCVHWM = 100_000
-FULL_ATTENTION = "full_attention"
-
-SkipReason = Literal["block_size", "lora", "extra_keys", "medium", "group", "unknown_parent", "token_count"]
 
 
 def _digest(payload: bytes) -> int:
@@ -109,143 +90,14 @@ class ZmqSource:
     replay: str | None
 
 
-@dataclass(slots=True)
-class ZmqSyncState:
-    """Where one replica's ZMQ follower stands, for metrics and the admin API (shaped as
-    gateway.sync.bundled_events.SyncState's). Times are Unix seconds."""
+@dataclass(frozen=True, slots=True)
+class ZmqSettings:
+    """How every ZMQ follower of a gateway waits, retries and bounds what it reads."""
 
-    replica: str
-    source: ZmqSource
-    transport: Literal["zmq"] = "zmq"
-    # The publisher's seq of the last batch the index reflects; None when nothing is followed yet
-    # (before the first batch, or right after the entries were cleared).
-    seq: int | None = None
-    connected: bool = False
-    batches_applied: int = 0
-    # Times the follower started afresh, the first included: the replica's entries cleared and rebuilt
-    # from the replay buffer and the live stream (a start, a restarted publisher, a gap that could
-    # not be replayed, a malformed batch).
-    resyncs: int = 0
-    # Gaps (or reconnects) repaired from the replay socket without clearing anything.
-    repairs: int = 0
-    errors: int = 0
-    # Blocks stored but not placed in the index, by reason (module docstring).
-    skipped: Counter[str] = field(default_factory=Counter)
-    last_applied_at: float | None = None
-    # Since when the index may miss changes (a disconnect, a gap not yet repaired, an outage).
-    behind_since: float | None = None
-    last_error: str | None = None
-
-    @property
-    def synced(self) -> bool:
-        return self.seq is not None
-
-    def lag_s(self, now: float | None = None) -> float:
-        """0 when caught up; otherwise how long the index may have been missing changes."""
-        if self.behind_since is None:
-            return 0.0
-        return max(0.0, (time.time() if now is None else now) - self.behind_since)
-
-    def behind(self) -> None:
-        if self.behind_since is None:
-            self.behind_since = time.time()
-
-    def to_json(self, now: float | None = None) -> dict[str, Any]:
-        return {
-            "replica": self.replica,
-            "url": self.source.endpoint,
-            "replay": self.source.replay,
-            "transport": self.transport,
-            "synced": self.synced,
-            "connected": self.connected,
-            "incarnation": None,
-            "seq": self.seq,
-            "batches_applied": self.batches_applied,
-            "resyncs": self.resyncs,
-            "repairs": self.repairs,
-            "errors": self.errors,
-            "skipped_blocks": dict(self.skipped),
-            "last_applied_at": self.last_applied_at,
-            "lag_s": round(self.lag_s(now), 3),
-            "last_error": self.last_error,
-        }
-
-
-class Chains:
-    """One replica's map from the backend's block hashes to ours (module docstring), each with the
-    number of copies the backend caches. Pure: no I/O."""
-
-    def __init__(self, model: str, block_size: int, skipped: Counter[str]) -> None:
-        self.root = root_hash(model)
-        self.block_size = block_size
-        self.skipped = skipped
-        # backend hash -> {our hash: copies}; more than one of ours only from a backend whose hashes
-        # are not chained (SGLang hashes a page's tokens alone).
-        self._ours: dict[BlockHash, dict[int, int]] = {}
-        # KV cache groups seen to be other than full attention: their removals are not ours either.
-        self._other_groups: set[int] = set()
-
-    def __len__(self) -> int:
-        return len(self._ours)
-
-    def clear(self) -> None:
-        self._ours.clear()
-        self._other_groups.clear()
-
-    def _skip(self, event: BlockStored) -> SkipReason | None:
-        if event.kv_cache_spec_kind not in (None, FULL_ATTENTION):
-            if event.group_idx is not None:
-                self._other_groups.add(event.group_idx)
-            return "group"
-        if event.medium not in (None, MEDIUM_GPU):
-            return "medium"
-        if event.block_size != self.block_size:
-            return "block_size"
-        if event.lora_id is not None or event.lora_name is not None:
-            return "lora"
-        if event.extra_keys and any(key is not None for key in event.extra_keys):
-            return "extra_keys"
-        if len(event.token_ids) != len(event.block_hashes) * self.block_size:
-            return "token_count"
-        return None
-
-    def _parent(self, backend: BlockHash | None) -> int | None:
-        if backend is None:
-            return self.root
-        ours = self._ours.get(backend)
-        return next(iter(ours)) if ours is not None and len(ours) == 1 else None
-
-    def stored(self, event: BlockStored) -> list[int]:
-        """Our hashes of the event's blocks, now mapped; [] when they cannot be placed (counted)."""
-        reason = self._skip(event)
-        parent = self._parent(event.parent_block_hash) if reason is None else None
-        if parent is None:
-            self.skipped[reason or "unknown_parent"] += len(event.block_hashes)
-            return []
-        ours = chain_hashes(parent, event.token_ids, self.block_size)
-        for backend, h in zip(event.block_hashes, ours, strict=True):
-            copies = self._ours.setdefault(backend, {})
-            copies[h] = copies.get(h, 0) + 1
-        return ours
-
-    def removed(self, event: BlockRemoved) -> list[int]:
-        """Our hashes of which the backend no longer caches any copy."""
-        if event.medium not in (None, MEDIUM_GPU) or event.group_idx in self._other_groups:
-            return []
-        gone: list[int] = []
-        for backend in event.block_hashes:
-            copies = self._ours.get(backend)
-            if copies is None:
-                continue
-            if len(copies) == 1:
-                ((h, count),) = copies.items()
-                if count > 1:
-                    copies[h] = count - 1
-                    continue
-            # The last copy, or an ambiguous hash: forgetting too much is safe, keeping too much is not.
-            gone.extend(copies)
-            del self._ours[backend]
-        return gone
+    replay_timeout_s: float = REPLAY_TIMEOUT_S
+    idle_check_s: float = IDLE_CHECK_S
+    retry_max_s: float = RETRY_MAX_S
+    max_message_bytes: int = MAX_PAYLOAD_BYTES
 
 
 class ReplayFailed(Exception):
@@ -257,26 +109,22 @@ class ZmqFollower:
 
     def __init__(
         self,
-        state: ZmqSyncState,
+        state: SyncState,
         index: RadixIndex,
         chains: Chains,
         ctx: zmq.asyncio.Context,
-        *,
-        replay_timeout_s: float = REPLAY_TIMEOUT_S,
-        idle_check_s: float = IDLE_CHECK_S,
-        retry_max_s: float = RETRY_MAX_S,
-        max_message_bytes: int = MAX_PAYLOAD_BYTES,
-        rejections: Rejections | None = None,
+        settings: ZmqSettings,
+        rejections: Rejections,
     ) -> None:
         self.state = state
         self.index = index
         self.chains = chains
         self.ctx = ctx
-        self.max_message_bytes = max_message_bytes
-        self.rejections = rejections or Rejections()
-        self.replay_timeout_ms = int(replay_timeout_s * 1000)
-        self.idle_check_ms = int(idle_check_s * 1000)
-        self.retry_max_s = retry_max_s
+        self.max_message_bytes = settings.max_message_bytes
+        self.rejections = rejections
+        self.replay_timeout_ms = int(settings.replay_timeout_s * 1000)
+        self.idle_check_ms = int(settings.idle_check_s * 1000)
+        self.retry_max_s = settings.retry_max_s
         self._recent: OrderedDict[int, int] = OrderedDict()
         self._replay_socket: zmq.asyncio.Socket | None = None
         # Whether the replay socket has answered since the last failure: only then is silence probed.
@@ -300,10 +148,7 @@ class ZmqFollower:
     def _failed(self, error: Exception, backoff: Backoff) -> None:
         if backoff.delay == 0.0:
             log.warning("zmq sync: replica %s failed: %r; retrying with backoff", self.replica, error)
-        self.state.errors += 1
-        self.state.last_error = f"{type(error).__name__}: {error}"
-        self.state.connected = False
-        self.state.behind()
+        self.state.failed(error)
 
     # -- sockets ----------------------------------------------------------------------------------
 
@@ -323,7 +168,7 @@ class ZmqFollower:
             sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            sub.connect(self.state.source.endpoint)
+            sub.connect(self.state.url)
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
@@ -349,7 +194,7 @@ class ZmqFollower:
             self._close_replay()
 
     def _disconnected(self) -> None:
-        log.info("zmq sync: replica %s: publisher %s disconnected", self.replica, self.state.source.endpoint)
+        log.info("zmq sync: replica %s: publisher %s disconnected", self.replica, self.state.url)
         self.state.connected = False
         self.state.behind()
 
@@ -381,11 +226,11 @@ class ZmqFollower:
     async def _replay(self, start: int) -> list[tuple[int, bytes]]:
         """Every batch the publisher holds from `start` on, as (seq, payload), oldest first."""
         if self._replay_socket is None:
-            assert self.state.source.replay is not None
+            assert self.state.replay is not None
             self._replay_socket = self.ctx.socket(zmq.DEALER)
             self._replay_socket.setsockopt(zmq.LINGER, 0)
             self._replay_socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-            self._replay_socket.connect(self.state.source.replay)
+            self._replay_socket.connect(self.state.replay)
         sock = self._replay_socket
         try:
             await sock.send_multipart(replay_request(start))
@@ -398,11 +243,11 @@ class ZmqFollower:
                 answers.append(answer)
         except MalformedEvents as error:
             self._close_replay()
-            raise ReplayFailed(f"replay from {self.state.source.replay}: {error}") from None
+            raise ReplayFailed(f"replay from {self.state.replay}: {error}") from None
         # A late answer to this request must not be read as the next one's: a new socket next time.
         self._close_replay()
         self._replay_answers = False
-        raise ReplayFailed(f"no answer from {self.state.source.replay} within {self.replay_timeout_ms} ms")
+        raise ReplayFailed(f"no answer from {self.state.replay} within {self.replay_timeout_ms} ms")
 
     # -- following ---------------------------------------------------------------------------------
 
@@ -441,7 +286,7 @@ class ZmqFollower:
         messages may have been missed, so a replay that fails clears the entries."""
         state = self.state
         assert state.seq is not None
-        if state.source.replay is None:
+        if state.replay is None:
             if lost:
                 self._clear(f"{reason}, and the replica has no replay socket")
             return
@@ -469,7 +314,7 @@ class ZmqFollower:
     async def _resync(self, reason: str) -> None:
         """Clear the replica's entries and rebuild them from the publisher's whole replay buffer."""
         self._clear(reason)
-        if self.state.source.replay is None:
+        if self.state.replay is None:
             return
         try:
             answers = await self._replay(0)
@@ -546,33 +391,23 @@ class ZmqSync:
     `index.add_replica` before `start`, and `stop` before `index.drop_replica`."""
 
     def __init__(
-        self,
-        index: RadixIndex,
-        *,
-        replay_timeout_s: float = REPLAY_TIMEOUT_S,
-        idle_check_s: float = IDLE_CHECK_S,
-        retry_max_s: float = RETRY_MAX_S,
-        max_message_bytes: int = MAX_PAYLOAD_BYTES,
-        rejections: Rejections | None = None,
+        self, index: RadixIndex, settings: ZmqSettings | None = None, rejections: Rejections | None = None
     ) -> None:
         self.index = index
-        self.replay_timeout_s = replay_timeout_s
-        self.idle_check_s = idle_check_s
-        self.retry_max_s = retry_max_s
-        self.max_message_bytes = max_message_bytes
+        self.settings = settings or ZmqSettings()
         self.rejections = rejections or Rejections()
         self._ctx: zmq.asyncio.Context | None = None
-        self._followers: Followers[ZmqSyncState] = Followers()
+        self._followers = Followers()
 
     @property
-    def states(self) -> dict[str, ZmqSyncState]:
+    def states(self) -> dict[str, SyncState]:
         """The followed replicas' states by id (a copy; the states themselves are live)."""
         return self._followers.states
 
     def follows(self, replica_id: str) -> bool:
         return self._followers.get(replica_id) is not None
 
-    def start(self, replica_id: str, model: str, block_size: int, source: ZmqSource) -> ZmqSyncState:
+    def start(self, replica_id: str, model: str, block_size: int, source: ZmqSource) -> SyncState:
         """Follow a replica (already in the index) whose blocks hash under `model` in `block_size`
         tokens. A replica followed already keeps its follower."""
         state = self._followers.get(replica_id)
@@ -580,18 +415,9 @@ class ZmqSync:
             return state
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
-        state = ZmqSyncState(replica_id, source)
-        follower = ZmqFollower(
-            state,
-            self.index,
-            Chains(model, block_size, state.skipped),
-            self._ctx,
-            replay_timeout_s=self.replay_timeout_s,
-            idle_check_s=self.idle_check_s,
-            retry_max_s=self.retry_max_s,
-            max_message_bytes=self.max_message_bytes,
-            rejections=self.rejections,
-        )
+        state = SyncState(replica_id, source.endpoint, "zmq", replay=source.replay)
+        chains = Chains(model, block_size, state.skipped)
+        follower = ZmqFollower(state, self.index, chains, self._ctx, self.settings, self.rejections)
         return self._followers.start(replica_id, state, follower.run(), "zmq-sync")
 
     def stop(self, replica_id: str) -> None:

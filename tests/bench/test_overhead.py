@@ -4,13 +4,12 @@ same schedule sent to both, a short capacity phase, and the table, JSON and PNG 
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
 import pytest
 
-from bench.overhead import CONCURRENCY, TARGETS, histogram_quantile
+from bench.overhead_phases import CONCURRENCY, TARGETS
 from prefixgate.cli import main
 
 pytestmark = pytest.mark.fleet
@@ -58,13 +57,3 @@ def test_the_gateway_can_have_a_core_of_its_own(tmp_path: Path) -> None:
     assert payload["latency"]["gateway"]["completed"] == payload["latency"]["gateway"]["sent"] > 5
     # This process has every core back, its threads included.
     assert all(os.sched_getaffinity(int(t)) == set(cpus) for t in os.listdir(f"/proc/{os.getpid()}/task"))
-
-
-def test_histogram_quantile_interpolates_within_the_bucket() -> None:
-    buckets = {0.001: 10.0, 0.002: 30.0, 0.004: 40.0, math.inf: 40.0}
-    assert histogram_quantile(0.25, buckets) == pytest.approx(0.001)
-    assert histogram_quantile(0.5, buckets) == pytest.approx(0.0015)
-    assert histogram_quantile(0.99, buckets) == pytest.approx(0.002 + 0.002 * 9.6 / 10)
-    assert histogram_quantile(0.5, {0.001: 0.0, math.inf: 0.0}) is None
-    # Beyond the last finite bound: that bound, as Prometheus answers.
-    assert histogram_quantile(0.99, {0.001: 1.0, math.inf: 10.0}) == 0.001

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.fleet import WORKLOADS, generated_sessions
+from bench.shared_flags import WORKLOADS, generated_sessions
 from bench.trace import TracePrompt, load_trace, prompt_tokens, trace_sessions, write_conversation_trace
 from bench.workloads import (
     AGENT_WORKLOADS,

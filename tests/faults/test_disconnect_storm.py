@@ -12,8 +12,10 @@ from typing import Any
 import httpx
 import pytest
 
-from bench import chaos
-from bench.chaos import Fleet, completion, family_prompt
+from bench.chaos_fleet import WORKER, fast_gateway_config, sim_profile
+from bench.chaos_traffic import completion, disconnect_storm_clients, family_prompt
+from bench.local_fleet import Fleet, start_gateway, start_worker, wait_healthy
+from bench.probes import metric, wait_until
 
 CLIENTS = 500
 NUM_BLOCKS = 8192
@@ -30,25 +32,23 @@ def load(url: str) -> dict[str, Any]:
 def gateway_inflight(url: str) -> tuple[float | None, int]:
     """The gateway's in-flight gauge, and the sum of its per-replica in-flight counts."""
     listing = httpx.get(f"{url}/admin/replicas", timeout=5).json()
-    return chaos.metric(url, "prefixgate_gateway_inflight_requests"), sum(
+    return metric(url, "prefixgate_gateway_inflight_requests"), sum(
         r["inflight"] for r in listing["replicas"]
     )
 
 
 @pytest.mark.timeout(150)
 def test_every_upstream_sequence_is_aborted_when_500_clients_drop_mid_stream(fleet: Fleet) -> None:
-    profile = chaos.sim_profile(fleet.workdir, "slow", step_s=STEP_S)
+    profile = sim_profile(fleet.workdir, "slow", step_s=STEP_S)
     flags = ("--sim-profile", profile, "--num-blocks", str(NUM_BLOCKS), "--max-waiting", "1024")
-    workers = [fleet.add(chaos.start_worker(fleet.workdir, f"ds-w{i}", *flags)) for i in range(2)]
-    config = chaos.gateway_config([w.url for w in workers], routing={"policy": "round_robin"})
-    gateway = fleet.add(chaos.start_gateway(fleet.workdir, "gateway", config))
-    chaos.wait_ready(fleet.children)
+    workers = [fleet.add(start_worker(fleet.workdir, WORKER, f"ds-w{i}", *flags)) for i in range(2)]
+    config = fast_gateway_config([w.url for w in workers], routing={"policy": "round_robin"})
+    gateway = fleet.add(start_gateway(fleet.workdir, "gateway", config))
+    wait_healthy(fleet.children)
     # 25 families of prompts: shared prefix blocks are referenced by many sequences at once.
     bodies = [completion(family_prompt(i, families=25), max_tokens=1000) for i in range(CLIENTS)]
     peak = lambda: ([load(w.url) for w in workers], gateway_inflight(gateway.url))  # noqa: E731
-    storm = asyncio.run(
-        chaos.disconnect_storm_clients(gateway.url, bodies, hold_timeout_s=60, before_drop=peak)
-    )
+    storm = asyncio.run(disconnect_storm_clients(gateway.url, bodies, hold_timeout_s=60, before_drop=peak))
     loads, inflight = storm.at_peak
     print(
         f"\n{storm.streaming} of {CLIENTS} streams started (slowest first chunk "
@@ -67,7 +67,7 @@ def test_every_upstream_sequence_is_aborted_when_500_clients_drop_mid_stream(fle
         idle = all(ld["running"] == ld["waiting"] == ld["kv_blocks_used"] == 0 for ld in loads)
         return idle and gateway_inflight(gateway.url) == (0, 0)
 
-    took = chaos.wait_until(settled, SETTLE_S, "every sequence to be aborted and every block freed")
+    took = wait_until(settled, SETTLE_S, "every sequence to be aborted and every block freed")
     freed = time.monotonic() - storm.dropped_at
     print(f"all aborted and freed {freed:.2f} s after the drop ({took:.2f} s of polling)")
     for worker in workers:

@@ -13,8 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench import chaos
-from bench.chaos import Fleet, Outcome, burst, completion, family_prompt, sim_profile
+from bench import local_fleet
+from bench.chaos_fleet import WORKER, fast_gateway_config, sim_profile
+from bench.chaos_traffic import Outcome, burst, completion, family_prompt
+from bench.local_fleet import Fleet, wait_healthy
+from bench.procfs import rss_bytes
 from gateway.config import Limits
 from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker
 
@@ -129,19 +132,19 @@ REPEAT_GROWTH_BOUND = 16 * MIB
 
 @pytest.mark.timeout(150)
 def test_the_gateway_memory_stays_bounded_under_a_burst(fleet: Fleet) -> None:
-    workers = [fleet.add(chaos.start_worker(fleet.workdir, f"mem-w{i}")) for i in range(2)]
-    config = chaos.gateway_config([w.url for w in workers])
+    workers = [fleet.add(local_fleet.start_worker(fleet.workdir, WORKER, f"mem-w{i}")) for i in range(2)]
+    config = fast_gateway_config([w.url for w in workers])
     config.pop("health")  # the defaults, as for limits
-    gateway = fleet.add(chaos.start_gateway(fleet.workdir, "gateway", config))
-    chaos.wait_ready(fleet.children)
+    gateway = fleet.add(local_fleet.start_gateway(fleet.workdir, "gateway", config))
+    wait_healthy(fleet.children)
     bodies = [completion(family_prompt(i, families=50), max_tokens=8) for i in range(BURST)]
     warm = asyncio.run(burst(gateway.url, bodies[:200]))
     assert {o.status for o in warm} == {200}
-    before = chaos.rss_bytes(gateway.pid)
+    before = rss_bytes(gateway.pid)
     first = asyncio.run(burst(gateway.url, bodies))
-    after_first = chaos.rss_bytes(gateway.pid)
+    after_first = rss_bytes(gateway.pid)
     second = asyncio.run(burst(gateway.url, bodies))
-    after_second = chaos.rss_bytes(gateway.pid)
+    after_second = rss_bytes(gateway.pid)
     limit = Limits().max_inflight
     for name, outcomes in (("first", first), ("second", second)):
         statuses = Counter((o.status, o.error) for o in outcomes)

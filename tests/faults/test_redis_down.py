@@ -16,7 +16,7 @@ import httpx
 import pytest
 import redis
 
-from bench.chaos import Traffic, completion, family_prompt
+from bench.chaos_traffic import Traffic, completion, family_prompt
 from protocol.redis_keys import WORKERS, worker_key
 from tests.support.gateways import RunningGateway, SimWorker
 from tests.support.polling import wait_for

@@ -13,8 +13,10 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from bench import chaos
-from bench.chaos import Fleet, Traffic, completion, family_prompt
+from bench import local_fleet
+from bench.chaos_fleet import WORKER
+from bench.chaos_traffic import Traffic, completion, family_prompt
+from bench.local_fleet import Fleet, wait_healthy
 from tests.support.gateways import RunningGateway
 from tests.support.polling import wait_for
 
@@ -28,8 +30,8 @@ SLACK_S = 1.5
 def test_a_stuck_replica_costs_no_request_more_than_the_timeout(
     fleet: Fleet, start_gateway: Callable[..., RunningGateway]
 ) -> None:
-    workers = {rid: fleet.add(chaos.start_worker(fleet.workdir, rid)) for rid in ("s0", "s1")}
-    chaos.wait_ready(list(workers.values()))
+    workers = {rid: fleet.add(local_fleet.start_worker(fleet.workdir, WORKER, rid)) for rid in ("s0", "s1")}
+    wait_healthy(list(workers.values()))
     stuck = workers["s0"]
     limits = {"request_timeout_s": REQUEST_TIMEOUT_S}
     gateway = start_gateway(

@@ -21,10 +21,10 @@ from protocol.transfer_auth import SECRET_ENV
 from tests.support.polling import wait_for
 from tests.support.servers import ServerThread
 from tests.support.workers import RunningWorker, idle, serve_worker, slow_down
+from workers.bundled_worker import Worker
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.llm import load
 from workers.kv_events import KVEventLog
-from workers.server import Worker
 
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = (

@@ -18,6 +18,7 @@ import httpx
 import openai
 import yaml
 
+from bench.procfs import rss_bytes
 from tests.support.gateways import SIM_MODEL, RecordingBackend, SimWorker
 from tests.support.servers import free_port
 
@@ -37,13 +38,6 @@ atexit.register(lambda: print("BLOCKED", attempts, "TORCH", "torch" in sys.modul
 from prefixgate.cli import main
 sys.exit(main(sys.argv[1:]))
 """
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def test_a_ready_gateway_serves_at_once_and_never_imports_torch(
@@ -122,7 +116,7 @@ def test_a_ready_gateway_serves_at_once_and_never_imports_torch(
             model=SIM_MODEL, messages=[system], max_tokens=2
         )
         assert reply.choices[0].finish_reason == "length"
-        rss = _rss_mib(proc.pid)
+        rss = rss_bytes(proc.pid) / 2**20
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=15)

@@ -30,8 +30,8 @@ from tests.support.gateways import SIM_MODEL, SimWorker
 from tests.support.kv_stores import ArrayStore, filled
 from tests.support.polling import wait_for
 from tests.support.servers import ServerThread
+from workers.app_state import RUNTIME
 from workers.kv_transfer import MAGIC, NoKV, TransferError, TransferServer, send_blocks
-from workers.server import RUNTIME
 
 SECRET = "a-test-kv-transfer-secret"
 BLOCK = 16

@@ -7,6 +7,7 @@ error event where it does not."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 from collections.abc import Callable, Iterator
@@ -19,8 +20,9 @@ import openai
 import pytest
 from aiohttp import web
 
-from bench.chaos import Fleet, sim_profile, start_worker, streams_replica_killed, wait_ready
-from bench.local_fleet import Child, cli, free_port, spawn
+from bench.chaos_fleet import WORKER, sim_profile
+from bench.chaos_streams import streams_replica_killed
+from bench.local_fleet import Child, Fleet, cli, free_port, spawn, start_worker, wait_healthy
 from gateway.forward.migration import MAX_EVENT_BYTES, Sent, StreamTap, continuation_body
 from tests.support.gateways import SIM_MODEL, RunningGateway
 from tests.support.servers import ServerThread
@@ -118,11 +120,9 @@ def assert_one_stream(got: Streamed, chat: bool, completion_tokens: int, prompt_
 
 @pytest.fixture
 def sim_workers(fleet: Fleet) -> dict[str, Child]:
-    profile = sim_profile(fleet.workdir, "slow", step_s=STEP_S)
-    workers = {
-        rid: fleet.add(start_worker(fleet.workdir, rid, profile=profile)) for rid in ("s0", "s1", "s2")
-    }
-    wait_ready(list(workers.values()))
+    slow = dataclasses.replace(WORKER, profile=sim_profile(fleet.workdir, "slow", step_s=STEP_S))
+    workers = {rid: fleet.add(start_worker(fleet.workdir, slow, rid)) for rid in ("s0", "s1", "s2")}
+    wait_healthy(list(workers.values()))
     return workers
 
 
@@ -161,9 +161,9 @@ def test_a_sim_stream_whose_worker_is_killed_goes_on_from_another_as_one_stream(
 def test_a_stream_with_nowhere_to_go_ends_with_a_clean_error_event(
     fleet: Fleet, start_gateway: Callable[..., RunningGateway]
 ) -> None:
-    profile = sim_profile(fleet.workdir, "slow", step_s=STEP_S)
-    only = fleet.add(start_worker(fleet.workdir, "alone", profile=profile))
-    wait_ready([only])
+    slow = dataclasses.replace(WORKER, profile=sim_profile(fleet.workdir, "slow", step_s=STEP_S))
+    only = fleet.add(start_worker(fleet.workdir, slow, "alone"))
+    wait_healthy([only])
     gateway = start_gateway([only.url])
     body = {
         "model": SIM_MODEL,
@@ -211,7 +211,7 @@ def smollm2_workers(fleet: Fleet) -> dict[str, Child]:
             "--log-level", "WARNING",
         )  # fmt: skip
         workers[rid] = fleet.add(spawn(f"worker-{rid}", command, f"http://127.0.0.1:{port}", fleet.workdir))
-    wait_ready(list(workers.values()))
+    wait_healthy(list(workers.values()))
     return workers
 
 

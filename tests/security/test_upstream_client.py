@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from gateway.forward.sse_events import MAX_EVENT_BYTES, EventSplitter, OutputWatch, UsageStrip
-from gateway.forward.upstream import MAX_HEAD_BYTES, MAX_INFORMATIONAL, UpstreamClient, UpstreamError
+from gateway.forward.upstream import UpstreamError
+from gateway.forward.upstream_client import MAX_HEAD_BYTES, MAX_INFORMATIONAL, UpstreamClient
 from tests.support.gateways import RunningGateway
 from tests.support.raw_replicas import (
     MODEL,

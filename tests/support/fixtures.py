@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench.chaos import Fleet
+from bench.local_fleet import Fleet
 from gateway.config import parse_config
 from gateway.http.app import create_app
 from prefixgate.cli import build_parser
@@ -25,7 +25,7 @@ from tests.support.gateways import (
 )
 from tests.support.servers import ServerThread, free_port
 from workers.cli import build_worker, extra_contexts
-from workers.server import create_app as create_worker_app
+from workers.worker_app import create_app as create_worker_app
 
 
 @pytest.fixture
@@ -88,7 +88,7 @@ def recording_backend() -> Iterator[Callable[..., tuple[RecordingBackend, str]]]
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    """Child processes started by bench.chaos helpers (`fleet.add(...)`), all stopped after the test
+    """Child processes started by bench.local_fleet helpers (`fleet.add(...)`), all stopped after the test
     (SIGCONT first, for one left stopped)."""
     with Fleet(tmp_path / "fleet") as running:
         yield running

@@ -24,7 +24,7 @@ from gateway.gateway import Gateway
 from gateway.http.keys import GATEWAY
 from tests.support.polling import wait_for
 from tests.support.servers import ServerThread
-from workers.server import Worker
+from workers.bundled_worker import Worker
 
 SIM_MODEL = "Llama-3.1-8B-Instruct"
 PREFIX = [1000 + (7 * i) % 30_000 for i in range(160)]

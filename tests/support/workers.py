@@ -14,10 +14,11 @@ import openai
 from aiohttp import web
 
 from tests.support.servers import ServerThread
+from workers.bundled_worker import Worker
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.loader import LoadedModel
 from workers.kv_events import KVEventLog
-from workers.server import Worker, create_app
+from workers.worker_app import create_app
 
 
 @dataclass

@@ -19,9 +19,9 @@ from protocol.transfer_auth import grant, order_signature
 from radix.hashing import block_hashes
 from tests.support.polling import wait_for
 from tests.support.workers import RunningWorker, StartWorker, idle, random_ids, slow_down
+from workers.bundled_worker import Worker
 from workers.engine.engine import EngineConfig
 from workers.kv_events import KVEventLog
-from workers.server import Worker
 from workers.sim.engine import SimEngine
 from workers.sim.profiles import CPU_SMOLLM2
 from workers.sim.runner import VirtualClock

@@ -28,12 +28,13 @@ from tests.support.polling import wait_for
 from tests.support.publishers import BLOCK_SIZE, PublishedWorker, StartWorker
 from tests.support.redis import start_redis_server
 from tests.support.servers import ServerThread, free_port
+from workers.bundled_worker import Worker
 from workers.kv_events import KVEventLog
 from workers.redis_publisher import PublisherConfig, redis_context
-from workers.server import Worker, create_app
 from workers.sim.engine import SimEngine
 from workers.sim.profiles import CPU_SMOLLM2
 from workers.sim.runner import RealClock, SimClock, VirtualClock
+from workers.worker_app import create_app
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from prefixgate.cli import build_parser
 from protocol.openai_api import ServedModel, parse_chat
 from protocol.prompts import prompt_token_ids
 from workers.cli import build_worker
-from workers.server import WORKER_HEADER
+from workers.completion_replies import WORKER_HEADER
 from workers.sim.words import WordTokenizer
 
 VOCAB = 128256

@@ -13,10 +13,11 @@ import pytest
 
 from prefixgate.cli import build_parser
 from tests.support.servers import ServerThread
+from workers.bundled_worker import Worker
 from workers.cli import advertise_url, build_engine, build_worker, engine_config, extra_contexts
 from workers.kv_events import KVEventLog
-from workers.server import Worker, create_app
 from workers.sim.profiles import get_profile
+from workers.worker_app import create_app
 
 
 def parse(*flags: str) -> argparse.Namespace:

@@ -24,9 +24,11 @@ from protocol.vllm_kv_events import (
 )
 from radix.hashing import chain_hashes, root_hash
 from tests.support.servers import ServerThread, distinct_ports
+from workers.app_state import RUNTIME
+from workers.bundled_worker import Worker
 from workers.cli import build_worker, extra_contexts
 from workers.kv_events import KVEventLog
-from workers.server import RUNTIME, Worker, create_app
+from workers.worker_app import create_app
 from workers.zmq_publisher import ZmqPublisher, ZmqPublisherConfig
 
 BLOCK_SIZE = 16

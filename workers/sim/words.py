@@ -9,7 +9,7 @@ of bench.words' made-up words. Each word's id is a stable hash of it (xxh3, not 
 salted `hash`), so every worker and every run gives a text the same ids and a repeated prefix of
 words hits the worker's cache as a real tokenizer's ids would.
 
-It offers what workers.server asks of protocol.tokenizer.Tokenizer: `encode` for completions,
+It offers what workers.openai_routes asks of protocol.tokenizer.Tokenizer: `encode` for completions,
 `render_chat` for chats (a plain rendering, one line per message: word counts are all it is for),
 and `decode`, which cannot invert a hash and names each id instead.
 """

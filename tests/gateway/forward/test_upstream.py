@@ -12,14 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.forward.upstream import (
-    _HIGH_WATER,
-    MAX_IDLE_PER_ORIGIN,
-    UpstreamClient,
-    UpstreamError,
-    header_count,
-    origin_of,
-)
+from gateway.forward.upstream import _HIGH_WATER, UpstreamError, header_count
+from gateway.forward.upstream_client import MAX_IDLE_PER_ORIGIN, UpstreamClient, origin_of
 from tests.support.servers import free_port
 
 Reply = Callable[["Peer", bytes], Awaitable[None]]

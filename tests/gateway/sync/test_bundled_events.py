@@ -19,19 +19,21 @@ import httpx
 import pytest
 import redis
 
-from gateway.sync.bundled_events import IndexSync, SyncState, Transport, follow_http, follow_redis
+from gateway.sync.bundled_events import IndexSync, follow_http, follow_redis
+from gateway.sync.state import SyncState, Transport
 from protocol.redis_keys import kv_stream_key
 from radix.index import RadixIndex
 from tests.support.polling import wait_for_async
 from tests.support.publishers import BLOCK_SIZE, PublishedWorker, StartWorker
 from tests.support.redis import start_redis_server
 from tests.support.servers import ServerThread, free_port
+from workers.bundled_worker import Worker
 from workers.kv_events import KVEventLog
 from workers.redis_publisher import PublisherConfig, connect, redis_context
-from workers.server import Worker, create_app
 from workers.sim.engine import SimEngine
 from workers.sim.profiles import CPU_SMOLLM2
 from workers.sim.runner import VirtualClock
+from workers.worker_app import create_app
 
 TRANSPORTS: tuple[Transport, ...] = ("http", "redis")
 

@@ -14,6 +14,7 @@ from protocol.models import default_gguf_path
 from tests.support.hf_models import hf_greedy
 from tests.support.moe_models import NUM_EXPERTS, engine_greedy, mixtral, prompts, save
 from tests.support.workers import serve_worker
+from workers.bundled_worker import Worker
 from workers.engine.batch import ScheduledChunk
 from workers.engine.engine import EngineConfig
 from workers.engine.expert_parallel import ExpertParallelGroup
@@ -21,7 +22,6 @@ from workers.engine.loader import convert_gguf
 from workers.engine.model import UnsupportedModelError
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_events import KVEventLog
-from workers.server import Worker
 
 pytestmark = pytest.mark.real
 

@@ -1,0 +1,48 @@
+"""What Linux's /proc says a process costs (CPU seconds, resident and peak memory): the one reader of
+those numbers for the benchmarks (soak's RSS trend, overhead's CPU per request, chaos's memory bound)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+KIB = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    cpu_s: float  # user + system, all threads
+    rss_bytes: int
+    peak_rss_bytes: int
+
+
+def _status_bytes(pid: int, key: str) -> int:
+    """One memory line of /proc/PID/status (in kB there), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * KIB
+    raise RuntimeError(f"/proc/{pid}/status has no {key} line: is the process a zombie?")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process now (VmRSS)."""
+    return _status_bytes(pid, "VmRSS")
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds a process has used, user and system, all its threads (/proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": field 3 onward
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_stat(pid: int) -> ProcStat:
+    """CPU seconds and memory (now and at its peak, VmHWM) of a process."""
+    return ProcStat(cpu_s(pid), rss_bytes(pid), _status_bytes(pid, "VmHWM"))
+
+
+def own_cpu_s() -> float:
+    """CPU seconds this process has used, user and system."""
+    times = os.times()
+    return times.user + times.system

@@ -1,0 +1,98 @@
+"""What one replay measured: each streamed answer's timings and counts, and the summary a run reports
+(latency percentiles, hit rate, the replica spread, moved turns, the gateway's predicted TTFT
+against the one seen). A module of its own so that the load generator, the fleet comparison and the
+benches that read its results (overhead, soak, vllm) share it without importing one another."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request that streamed to its end."""
+
+    ttft_s: float
+    itl_s: tuple[float, ...]
+    e2e_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    replica: str
+    # Which session's which turn it was (None: a request of no session, as closed_loop's).
+    session: int | None = None
+    turn: int = 0
+    # The gateway's predicted wait for its first token there (None: not a prefixgate gateway's answer).
+    predicted_ttft_s: float | None = None
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    url: str
+    sent: int
+    # From the first scheduled send to the last completion: the span throughput is measured over.
+    elapsed_s: float
+    records: list[RequestRecord] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def completed(self) -> int:
+        return len(self.records)
+
+    def summary(self) -> dict[str, Any]:
+        records = self.records
+        prompt = sum(r.prompt_tokens for r in records)
+        span = max(self.elapsed_s, 1e-9)
+        return {
+            "url": self.url,
+            "sent": self.sent,
+            "completed": self.completed,
+            "errors": dict(sorted(self.errors.items())),
+            "ttft_s": latency_stats([r.ttft_s for r in records]),
+            "itl_s": latency_stats([x for r in records for x in r.itl_s]),
+            "e2e_s": latency_stats([r.e2e_s for r in records]),
+            "hit_rate": sum(r.cached_tokens for r in records) / prompt if prompt else 0.0,
+            "requests_per_replica": dict(sorted(Counter(r.replica for r in records).items())),
+            "moved_turns": moved_turns(records),
+            "ttft_predicted": ttft_predicted(records),
+            "throughput_req_s": self.completed / span,
+            "output_tok_s": sum(r.output_tokens for r in records) / span,
+            "elapsed_s": self.elapsed_s,
+        }
+
+
+def moved_turns(records: Sequence[RequestRecord]) -> float | None:
+    """Of the sessions' turns whose previous turn was answered too, the share served by another
+    replica than that turn: a history recomputed there, and held twice. None when no session had two
+    answered turns in a row (sessions of one turn: nothing can move)."""
+    served = {(r.session, r.turn): r.replica for r in records if r.session is not None}
+    pairs = [(replica, served[s, k - 1]) for (s, k), replica in served.items() if (s, k - 1) in served]
+    return sum(now != before for now, before in pairs) / len(pairs) if pairs else None
+
+
+def ttft_predicted(records: Sequence[RequestRecord]) -> float | None:
+    """The routing model checked against measurement: the mean TTFT the gateway predicted for its
+    answers over the mean TTFT the client saw (1: the model holds; below: the fleet is slower than it
+    believes; None: no prediction, as from a peer router)."""
+    pairs = [(r.predicted_ttft_s, r.ttft_s) for r in records if r.predicted_ttft_s is not None]
+    observed = sum(seen for _, seen in pairs)
+    return sum(p for p, _ in pairs) / observed if pairs and observed > 0 else None
+
+
+def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
+    """Mean and tail percentiles; None when nothing was measured (a zero would read as instant)."""
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    array = np.asarray(values)
+    points = np.percentile(array, PERCENTILES)
+    return {
+        "mean": float(array.mean()),
+        **{f"p{p}": float(v) for p, v in zip(PERCENTILES, points, strict=True)},
+    }

@@ -1,0 +1,64 @@
+"""What a replay measured: moved turns, the predicted TTFT against the one seen, latency statistics and
+the summary a run reports."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from bench.replay_result import ReplayResult, RequestRecord, latency_stats, moved_turns, ttft_predicted
+
+
+def _record(session: int | None, turn: int, replica: str) -> RequestRecord:
+    return RequestRecord(0.1, (), 0.2, 10, 0, 1, replica, session, turn)
+
+
+def test_moved_turns_count_later_turns_served_elsewhere_than_the_turn_before() -> None:
+    records = [
+        _record(0, 0, "w0"),
+        _record(0, 1, "w0"),
+        _record(0, 2, "w1"),  # moved
+        _record(0, 3, "w1"),
+        _record(1, 0, "w1"),
+        _record(1, 2, "w0"),  # its turn 1 failed: nothing to compare with
+        _record(1, 3, "w1"),  # moved
+    ]
+    assert moved_turns(records) == pytest.approx(2 / 4)
+    assert moved_turns(list(reversed(records))) == pytest.approx(2 / 4)  # completion order is no matter
+    assert moved_turns([_record(i, 0, f"w{i % 2}") for i in range(5)]) is None  # single turns
+    assert moved_turns([_record(None, 0, "w0"), _record(None, 0, "w1")]) is None  # no sessions
+
+
+def test_the_predicted_ttft_is_read_against_the_ttft_seen() -> None:
+    seen = [
+        replace(_record(0, k, "w0"), ttft_s=t, predicted_ttft_s=p)
+        for k, (t, p) in enumerate([(1, 0.5), (3, 1.5)])
+    ]
+    assert ttft_predicted(seen) == pytest.approx(0.5)
+    assert ttft_predicted([*seen, _record(0, 9, "w1")]) == pytest.approx(0.5)  # no prediction: not counted
+    assert ttft_predicted([_record(0, 0, "w0")]) is None
+
+
+def test_latency_stats_are_none_when_nothing_was_measured() -> None:
+    assert latency_stats([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+    stats = latency_stats([float(v) for v in range(1, 101)])
+    assert stats == pytest.approx({"mean": 50.5, "p50": 50.5, "p90": 90.1, "p99": 99.01})
+
+
+def test_a_summary_reads_hits_against_prompt_tokens_and_rates_against_the_span() -> None:
+    records = [
+        RequestRecord(0.1, (0.01, 0.03), 0.2, 100, 40, 3, "w0", 0, 0),
+        RequestRecord(0.3, (), 0.5, 100, 60, 1, "w1", 0, 1),
+    ]
+    summary = ReplayResult("http://x", 3, 2.0, records, Counter({"timeout": 1})).summary()
+    assert (summary["sent"], summary["completed"], summary["errors"]) == (3, 2, {"timeout": 1})
+    assert summary["hit_rate"] == pytest.approx(0.5)
+    assert summary["requests_per_replica"] == {"w0": 1, "w1": 1}
+    assert summary["moved_turns"] == 1.0 and summary["ttft_predicted"] is None
+    assert summary["ttft_s"]["mean"] == pytest.approx(0.2) and summary["itl_s"]["mean"] == pytest.approx(0.02)
+    assert summary["throughput_req_s"] == pytest.approx(1.0) and summary["output_tok_s"] == pytest.approx(2.0)
+    empty = ReplayResult("http://x", 0, 0.0).summary()
+    assert (empty["completed"], empty["hit_rate"], empty["throughput_req_s"]) == (0, 0.0, 0.0)
+    assert empty["moved_turns"] is None and empty["e2e_s"]["p99"] is None
