@@ -57,7 +57,7 @@ bench-fleet: $(VENV)/.installed
 	$(VENV)/bin/prefixgate bench fleet --trace $(TRACE) --replicas 8 --profile h100-8b --speed 2.5 \
 	  --json $(OUT)/fleet.json
 
-# Prefill/decode splits of 4 h100-8b GPUs against 4 mixed replicas (bench.pd): the long-prompt mix, then
+# Prefill/decode splits of 4 h100-8b GPUs against 4 mixed replicas (bench.pd_fleet): the long-prompt mix, then
 # the conversation trace's first 1,000 requests at half speed (about 1.7 requests/s).
 bench-pd: $(VENV)/.installed
 	$(VENV)/bin/prefixgate bench fleet --workload longmix --pd 4:0,3:1,2:2,1:3 --slo-stall 0.05 \

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.engine import cached_prefix_ttft, decode_step_ms, synchronize
+from bench.engine_bench import cached_prefix_ttft, decode_step_ms, synchronize
 from bench.report import bar_panels, format_table, write_json
 from protocol.models import default_gguf_path
 from workers.engine.attention import BackendUnavailableError
 from workers.engine.attention.flash_attn import FLASH_BLOCK_MULTIPLE
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine_core import Engine, EngineConfig
 from workers.engine.loader import LoadedModel, convert_gguf, load_tokenizer, load_weights
 from workers.engine.sampling_params import SamplingParams
 

@@ -62,7 +62,7 @@ def write_model(folder: Path, *, skewed: bool, layers: int, hidden: int) -> Path
 
 
 def measure(folder: Path, size: int, prompts: int, prompt_len: int, decode: int) -> dict[str, float]:
-    from workers.engine.engine import EngineConfig
+    from workers.engine.engine_core import EngineConfig
     from workers.engine.expert_parallel import ExpertParallelGroup
     from workers.engine.model.moe import RoutingCounts
     from workers.engine.sampling_params import SamplingParams

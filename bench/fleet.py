@@ -3,7 +3,7 @@ through the gateway's real index and policies onto simulated replicas that run t
 block manager under a cost model, per policy and mode (bench.fleet_jobs), with its table and plot.
 
 With `--pd`, the same workload runs on splits of the fleet into prefill and decode replicas instead
-(bench.pd, bench.pd_bench); with `--ep`, an MoE model on the same GPUs in replicas of each
+(bench.pd_fleet, bench.pd_bench); with `--ep`, an MoE model on the same GPUs in replicas of each
 expert-parallel group size (bench.fleet_ep).
 
 This module is the command: its flags, the profile and workload they choose, and the table, JSON and
@@ -25,15 +25,15 @@ from bench.fleet_result import FleetResult
 from bench.fleet_sim import MODES, pooled_hit_rate, simulate
 from bench.latency import Slo
 from bench.parallel import run_jobs
-from bench.pd import DEFAULT_RESERVE_WAIT_S
+from bench.pd_fleet import DEFAULT_RESERVE_WAIT_S
 from bench.report import bar_panels, format_table, write_json
 from bench.shared_flags import WORKLOADS, generated_sessions, prefix_aware_knob
 from bench.trace import load_trace, trace_sessions
 from bench.units import UNITS, unit_of
 from bench.workloads import AgentParams, GroupedParams, LongMixParams, Session, total_turns
 from policies import POLICY_NAMES, RoutingConfig
-from policies.config import parse_routing
-from workers.sim.moe import Gate
+from policies.routing_config import parse_routing
+from workers.sim.moe_routing import Gate
 from workers.sim.profiles import Profile, get_profile
 
 
@@ -272,7 +272,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
     parser.add_argument("--json", default=None)
-    pd = parser.add_argument_group("prefill/decode disaggregation (bench.pd): --pd replaces --policies")
+    pd = parser.add_argument_group("prefill/decode disaggregation (bench.pd_fleet): --pd replaces --policies")
     pd.add_argument(
         "--pd",
         action="append",

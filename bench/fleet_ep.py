@@ -22,7 +22,6 @@ from bench.fleet_result import FleetResult
 from bench.report import bar_panels, format_table, write_json
 from workers.sim.cost_model import StepShape, chunk_shape
 from workers.sim.ep_cost import ExpertParallelCost, StepTerms
-from workers.sim.moe import Gate
 from workers.sim.moe_profiles import (
     RANK_BATCHED_TOKENS,
     ep_profile,
@@ -30,6 +29,7 @@ from workers.sim.moe_profiles import (
     kv_tokens_per_gpu,
     weight_bytes_per_gpu,
 )
+from workers.sim.moe_routing import Gate
 from workers.sim.profiles import Profile
 
 DECODE_SEQS_PER_GPU, DECODE_CONTEXT = 32, 2048

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from bench.arrivals import Arrival, Prompt, arrival_sessions
 from bench.replay_result import ReplayResult, RequestRecord
-from bench.words import text_of
+from bench.token_text import text_of
 from bench.workloads import Session, Turn, total_turns
 from gateway.forward.relay_headers import PREDICTED_TTFT_HEADER
 from gateway.forward.upstream import UpstreamError, header_count
@@ -133,7 +133,7 @@ def completion_body(
     token_ids: Sequence[int], max_tokens: int, model: str | None, user: str = "", text: bool = False
 ) -> tuple[bytes, int]:
     """A streamed completion of exactly `max_tokens` tokens; `user` names the session, for routers
-    with session affinity (an empty one is left out). `text`: the prompt as words (bench.words), for
+    with session affinity (an empty one is left out). `text`: the prompt as words (bench.token_text), for
     servers and routers that tokenize it themselves."""
     body: dict[str, Any] = {
         "prompt": text_of(token_ids) if text else list(token_ids),
@@ -195,7 +195,7 @@ async def replay_sessions(
     request gets `timeout_s` once it leaves; one not done about as long after it was due (waiting for
     a slot included) counts as "unfinished", and its session goes on. Failures are counted by kind in
     `errors`, never raised; a failed turn is followed by the session's next one all the same. `text`
-    sends each prompt as words (bench.words) instead of token ids. Each answer's replica is read from
+    sends each prompt as words (bench.token_text) instead of token ids. Each answer's replica is read from
     `replica_header` (the gateway's; behind a router that names none, WORKER_HEADER, the worker's own).
     """
     url = url.rstrip("/")

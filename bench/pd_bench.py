@@ -1,4 +1,4 @@
-"""`bench fleet --pd`: splits of one fleet's GPUs into prefill and decode replicas (bench.pd), side by
+"""`bench fleet --pd`: splits of one fleet's GPUs into prefill and decode replicas (bench.pd_fleet), side by
 side on one workload, as a table, JSON and a plot, with the closing comparison of the best split
 against the all-mixed one.
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from bench.latency import Slo
 from bench.parallel import run_jobs
-from bench.pd import PdResult, parse_splits, simulate_pd
+from bench.pd_fleet import PdResult, parse_splits, simulate_pd
 from bench.report import bar_panels, format_table, write_json
 from bench.workloads import Session, total_turns
 from workers.sim.profiles import Profile

@@ -7,7 +7,7 @@ that latency under load is about. Within a session (bench.workloads: an agent's 
 closed, as an agent's is: a turn leaves its think time after the previous answer ended. A trace or
 a shared-prefix load is sessions of one request. Prompts are token ids, which both the gateway and
 the simulated workers accept, so no tokenizer runs on either side of the measurement; with `--text`
-they are sent as words (bench.words), for servers and routers that tokenize what they are sent.
+they are sent as words (bench.token_text), for servers and routers that tokenize what they are sent.
 
 With `--sim-fleet N` it brings its own servers: per row, N fresh simulated workers (empty caches)
 and a gateway with the row's policy, each its own process (bench.local_fleet), and one workload
@@ -148,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--text",
         action="store_true",
-        help="send prompts as text, one made-up word per token id (bench.words), for servers that "
+        help="send prompts as text, one made-up word per token id (bench.token_text), for servers that "
         "tokenize; --sim-fleet: with --sim-unit words, and a gateway tokenizing with SmolLM2's tokenizer",
     )
     parser.add_argument("--model", default=None, help="default: the first of GET /v1/models")

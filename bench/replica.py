@@ -1,13 +1,13 @@
-"""A simulated replica as both fleet simulators (bench.fleet, bench.pd) run it and route to it."""
+"""A simulated replica as both fleet simulators (bench.fleet, bench.pd_fleet) run it and route to it."""
 
 from __future__ import annotations
 
 from policies import ReplicaView
 from radix import RadixIndex
 from workers.sim.cost_model import chunk_shape
-from workers.sim.engine import SimEngine
 from workers.sim.profiles import Profile
 from workers.sim.runner import VirtualClock
+from workers.sim.sim_engine import SimEngine
 
 
 def nominal_prefill_rate(profile: Profile) -> float:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import xxhash
 
 UNITS = ("tokens", "words", "blocks64")
-# Gateway tokens per word, on average: a real tokenizer's 1.3 for English, ~2.8 for bench.words' text.
+# Gateway tokens per word, on average: a real tokenizer's 1.3 for English, ~2.8 for bench.token_text' text.
 WORD_TOKENS = 3
 
 

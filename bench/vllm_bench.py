@@ -45,6 +45,7 @@ from bench.loadgen import replay_sessions
 from bench.peers import peer_router
 from bench.replay_result import ReplayResult
 from bench.report import bar_panels, format_table, write_json
+from bench.token_text import text_of
 from bench.vllm_fleet import (
     BLOCK_SIZE,
     ServerCounters,
@@ -56,7 +57,6 @@ from bench.vllm_fleet import (
     tcp_event_relays,
     vllm_fleet,
 )
-from bench.words import text_of
 from bench.workloads import AgentParams, GroupedParams, Session, agent_sessions, grouped_sessions, scaled
 from protocol.models import default_tokenizer
 

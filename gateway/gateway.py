@@ -20,14 +20,14 @@ import aiohttp
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from gateway.config import GatewayConfig, ReplicaEntry
 from gateway.fleet.discovery import Probe, ProbeFailed, fetch_load, probe, read_registry
 from gateway.fleet.predictions import Predictions
 from gateway.fleet.replicas import Replica, ReplicaSet, Source
 from gateway.fleet.response_owners import ResponseOwners
 from gateway.forward.tokenizers import Tokenizers
 from gateway.forward.upstream_client import UpstreamClient
-from gateway.metrics import GatewayMetrics
+from gateway.gateway_config import GatewayConfig, ReplicaEntry
+from gateway.gateway_metrics import GatewayMetrics
 from gateway.sync.bundled_events import IndexSync
 from gateway.sync.zmq_events import ZmqSource, ZmqSync
 from policies import Policy, PrefillDecode, build_pd, build_policy

@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from gateway.config import load_config
+from gateway.gateway_config import load_config
 from gateway.http.app import create_app
 from policies import ConfigError
 from protocol.serving import serve

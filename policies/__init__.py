@@ -1,7 +1,14 @@
 """Pure routing policies (docs/design.md §5), each a choice over a read-only view of the replicas."""
 
-from policies.config import ConfigError, PolicyName, RoutingConfig, build_pd, build_policy, parse_routing
 from policies.pd import Pair, PdConfig, PrefillDecode
+from policies.routing_config import (
+    ConfigError,
+    PolicyName,
+    RoutingConfig,
+    build_pd,
+    build_policy,
+    parse_routing,
+)
 from policies.view import Policy, ReplicaView, Role, RouteRequest
 
 POLICY_NAMES: tuple[str, ...] = PolicyName.__args__

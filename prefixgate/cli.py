@@ -13,13 +13,13 @@ import sys
 
 # command -> (module with add_arguments and run, help)
 COMMANDS = {
-    "worker": ("workers.cli", "run a bundled worker (engine + HTTP API)"),
+    "worker": ("workers.worker_cli", "run a bundled worker (engine + HTTP API)"),
     "serve": ("gateway.serve", "run the gateway from its YAML config"),
     "up": ("prefixgate.up", "the local fleet: a gateway and SmolLM2 workers"),
 }
 BENCHMARKS = {
     "radix": ("bench.radix_speed", "hashing and index-match speed and memory"),
-    "engine": ("bench.engine", "the engine against HF transformers on one machine"),
+    "engine": ("bench.engine_bench", "the engine against HF transformers on one machine"),
     "cuda-check": ("bench.cuda_check", "the engine on a CUDA device: HF's tokens, speed, cached-prefix TTFT"),
     "fleet": ("bench.fleet", "a trace over simulated replicas (real scheduler)"),
     "ep": ("bench.ep", "MoE expert parallelism: step time, all-to-all share, rank imbalance"),

@@ -30,7 +30,7 @@ from aiohttp import web
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from gateway.config import GatewayConfig, parse_config
+from gateway.gateway_config import GatewayConfig, parse_config
 from gateway.http.app import create_app
 from gateway.http.keys import GATEWAY
 from protocol.disaggregation import TRANSFERRED_TOKENS_HEADER

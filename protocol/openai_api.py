@@ -14,7 +14,7 @@ Extensions beyond OpenAI's fields, as vLLM spells them where it has them: `top_k
 template, for chat). When present they are used as the prompt and nothing is tokenized; the rest of
 the body is still validated as usual. `prefixgate_prefill` — the gateway's grant naming the prefill
 worker a decode worker pulls the prompt's KV from (prefill/decode disaggregation, signed:
-protocol.transfer_auth; workers.disaggregation checks it). The gateway refuses any `prefixgate_*`
+protocol.transfer_auth; workers.kv_handoff checks it). The gateway refuses any `prefixgate_*`
 field but `prefixgate_token_ids` from a client (gateway.forward.internal_fields).
 """
 

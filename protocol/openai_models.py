@@ -149,7 +149,7 @@ class StreamOptions(BaseModel):
 
 class PrefillGrant(BaseModel):
     """The gateway's grant naming the prefill worker a decode worker pulls the prompt's KV from (its
-    signature is checked by workers.disaggregation)."""
+    signature is checked by workers.kv_handoff)."""
 
     model_config = _STRICT
 

@@ -12,9 +12,9 @@ from aiohttp import web
 
 from workers.admission import Admission
 from workers.bundled_worker import Worker
-from workers.disaggregation import Puller
 from workers.event_feed import EventFeed
-from workers.metrics import WorkerMetrics
+from workers.kv_handoff import Puller
+from workers.worker_metrics import WorkerMetrics
 
 
 @dataclass(slots=True)

@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 from protocol.disaggregation import Role
 from protocol.openai_api import ServedModel
 from protocol.tokenizer import Tokenizer
-from workers.disaggregation import DEFAULT_ROOM_WAIT_S, DEFAULT_TRANSFER_TIMEOUT_S
-from workers.engine.engine import Engine
+from workers.engine.engine_core import Engine
 from workers.engine.llm import AsyncLLM
-from workers.kv_events import KVEventLog
+from workers.kv_event_log import KVEventLog
+from workers.kv_handoff import DEFAULT_ROOM_WAIT_S, DEFAULT_TRANSFER_TIMEOUT_S
 from workers.kv_transfer import KVStore, NoKV
 
 if TYPE_CHECKING:
-    from workers.sim.engine import SimEngine
-    from workers.sim.words import WordTokenizer
+    from workers.sim.sim_engine import SimEngine
+    from workers.sim.word_tokenizer import WordTokenizer
 
 DEFAULT_MAX_WAITING = 256
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
@@ -56,7 +56,7 @@ class Worker:
     # The engine loop in its thread (the model's, or the simulated engine's).
     front: AsyncLLM
     # None for an engine without one (the simulated engine): prompts must then come as token ids. A
-    # simulated engine may be given one that counts words (workers.sim.words).
+    # simulated engine may be given one that counts words (workers.sim.word_tokenizer).
     tokenizer: Tokenizer | WordTokenizer | None
     info: WorkerInfo
     events: KVEventLog

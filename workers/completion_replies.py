@@ -29,7 +29,7 @@ from protocol.openai_responses import (
 from protocol.stream_ids import STREAM_IDS_HEADER, ids_comment
 from protocol.tokenizer import Tokenizer
 from workers.app_state import Runtime
-from workers.engine.engine import RequestOutput
+from workers.engine.engine_core import RequestOutput
 
 log = logging.getLogger("prefixgate.worker")
 

@@ -1,6 +1,6 @@
 """A worker's part in prefill/decode disaggregation, as the app wires it: the /kv/prefill endpoint a
 prefill worker answers, and the decode worker's transfer port and puller, live while the app runs
-(the transfers themselves: workers.disaggregation, workers.kv_transfer)."""
+(the transfers themselves: workers.kv_handoff, workers.kv_transfer)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from aiohttp import web
 from protocol.errors import ApiError
 from protocol.openai_api import parse_json
 from workers.app_state import RUNTIME
-from workers.disaggregation import NO_SECRET, PrefillOrder, Puller, prefill_and_push, unauthorised
-from workers.engine.engine import PromptTooLong
+from workers.engine.engine_core import PromptTooLong
 from workers.engine.scheduler import UnschedulableSequence
+from workers.kv_handoff import NO_SECRET, PrefillOrder, Puller, prefill_and_push, unauthorised
 from workers.kv_transfer import TransferServer
 
 log = logging.getLogger("prefixgate.worker")
@@ -23,7 +23,7 @@ log = logging.getLogger("prefixgate.worker")
 
 async def kv_prefill(request: web.Request) -> web.Response:
     """The prefill side of disaggregation: compute a prompt and push its KV blocks to the decode
-    worker that asked (workers.disaggregation)."""
+    worker that asked (workers.kv_handoff)."""
     rt = request.app[RUNTIME]
     worker = rt.worker
     secret = worker.transfer_secret

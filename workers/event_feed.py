@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from protocol.kv_events import EventBatch
-from workers.kv_events import KVEventLog
+from workers.kv_event_log import KVEventLog
 
 
 class EventFeed:

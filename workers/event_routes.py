@@ -11,7 +11,7 @@ from aiohttp import web
 
 from protocol.errors import ApiError, error_json
 from workers.app_state import RUNTIME, Runtime
-from workers.kv_events import EventsGone
+from workers.kv_event_log import EventsGone
 
 MAX_EVENTS_TIMEOUT_S = 60.0
 DEFAULT_EVENTS_LIMIT = 1024

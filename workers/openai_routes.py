@@ -23,9 +23,9 @@ from protocol.openai_responses import ResponseShaper
 from protocol.prompts import prompt_token_ids
 from workers.app_state import RUNTIME, Runtime
 from workers.completion_replies import collect_reply, engine_failed, stream_reply, token_decoder
-from workers.disaggregation import NO_SECRET, Pulled, unauthorised
-from workers.engine.engine import PromptTooLong, RequestOutput
+from workers.engine.engine_core import PromptTooLong, RequestOutput
 from workers.engine.scheduler import UnschedulableSequence
+from workers.kv_handoff import NO_SECRET, Pulled, unauthorised
 from workers.openai_sampling import sampling_params
 
 log = logging.getLogger("prefixgate.worker")

@@ -30,7 +30,7 @@ from protocol.kv_events import EventBatch
 from protocol.redis_client import connect
 from protocol.redis_keys import WORKERS, kv_stream_key, load_key, worker_key
 from workers.app_state import RUNTIME, Context, Runtime
-from workers.kv_events import EventsGone
+from workers.kv_event_log import EventsGone
 
 log = logging.getLogger("prefixgate.worker.redis")
 

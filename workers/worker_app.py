@@ -24,9 +24,9 @@ from workers.disaggregation_routes import kv_prefill, transfer_context
 from workers.error_middleware import errors_and_metrics
 from workers.event_feed import EventFeed
 from workers.event_routes import kv_events, kv_snapshot
-from workers.metrics import WorkerMetrics
 from workers.openai_routes import chat_completions, completions
 from workers.status_routes import health, load, metrics, models
+from workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("prefixgate.worker")
 

@@ -44,7 +44,7 @@ from protocol.vllm_kv_events import (
     replay_end,
 )
 from workers.app_state import RUNTIME, Context, Runtime
-from workers.kv_events import EventsGone, StoredBlocks
+from workers.kv_event_log import EventsGone, StoredBlocks
 
 log = logging.getLogger("prefixgate.worker.zmq")
 

@@ -22,8 +22,8 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from gateway.config import ReplicaEntry
 from gateway.fleet.replicas import Kind, LoadReport, default_replica_id
+from gateway.gateway_config import ReplicaEntry
 from gateway.rejections import Rejections
 from policies import Role
 from protocol.disaggregation import DEFAULT_ROLE, ROLE_FIELD, ROLES

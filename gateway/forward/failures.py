@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gateway.config import Limits
 from gateway.fleet.replicas import Replica
 from gateway.forward.upstream import UpstreamError, error_kind
 from gateway.gateway import Gateway
+from gateway.gateway_config import Limits
 from protocol.errors import ApiError
 from protocol.openai_responses import SSE_DONE, sse
 

@@ -10,7 +10,7 @@ Which backends can continue:
 - bundled workers (prefixgate's own) always: they get the prompt's token ids plus the ids already
   streamed, which they name in their stream for the gateway alone (protocol.stream_ids; the gateway
   strips them), with max_tokens less the tokens sent. Greedy decoding goes on exactly where it broke.
-- a foreign backend as its model's `foreign_continuation` allows (gateway.config.ModelEntry):
+- a foreign backend as its model's `foreign_continuation` allows (gateway.gateway_config.ModelEntry):
   "completions" continues completions whose prompt is text, with the prompt plus the text so far (any
   OpenAI server takes that); "vllm" also continues chat, with the messages plus the partial assistant
   message and `continue_final_message: true, add_generation_prompt: false` (vLLM; a server that

@@ -14,11 +14,11 @@ from typing import Any
 
 import orjson
 
-from gateway.config import GatewayConfig
 from gateway.fleet.replicas import Replica
 from gateway.forward.internal_fields import client_body
 from gateway.forward.migration import Continuation
 from gateway.forward.routed import Routed
+from gateway.gateway_config import GatewayConfig
 
 # Routes whose bodies a bundled worker reads with the gateway's token ids attached, and whose streams
 # a foreign one is asked to end with their usage.

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 
 from multidict import CIMultiDict, MultiMapping
 
-from gateway.config import GatewayConfig
 from gateway.forward.routed import Routed
 from gateway.forward.router import Decision
+from gateway.gateway_config import GatewayConfig
 from policies.prefix_aware import prefill_wait_s
 
 REPLICA_HEADER = "x-prefixgate-replica"

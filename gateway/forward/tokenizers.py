@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.config import Limits
 from gateway.forward.request_view import RequestView, prompt_ids
+from gateway.gateway_config import Limits
 from protocol.models import load_tokenizer_spec
 from protocol.tokenizer import HeadTokenizer, Tokenizer
 

@@ -7,11 +7,11 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.config import ReplicaEntry
 from gateway.forward.pd_legs import PAIRED_ROUTES
 from gateway.forward.request_view import Route, read_request
 from gateway.forward.router import decide
 from gateway.gateway import Gateway
+from gateway.gateway_config import ReplicaEntry
 from gateway.http.keys import GATEWAY
 from gateway.http.reading import model_of, read_body, session_key
 from protocol.errors import ApiError

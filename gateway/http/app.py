@@ -22,8 +22,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway.config import GatewayConfig, load_config
 from gateway.gateway import Gateway
+from gateway.gateway_config import GatewayConfig, load_config
 from gateway.http.admin import add_replica, debug_route, drain_replica, list_replicas, remove_replica
 from gateway.http.handlers import PROXIED_METHODS, health, live, metrics, models, openapi, proxy_handler
 from gateway.http.keys import CONFIG_PATH, GATEWAY

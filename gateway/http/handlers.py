@@ -2,7 +2,8 @@
 
 A proxied request goes read → decide → forward: its body read under the gateway's limits
 (gateway.http.reading), the policy's choice made by prefix or by load (gateway.forward.router), what the
-chosen replica is then expected to hold recorded, and the request forwarded (gateway.forward.proxy).
+chosen replica is then expected to hold recorded (gateway.fleet.expectations), and the request forwarded
+(gateway.forward.proxy).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from gateway.fleet.expectations import NOTHING, expect, settle
 from gateway.fleet.replicas import Replica
 from gateway.forward.pd_legs import PAIRED_ROUTES
 from gateway.forward.proxy import forward
@@ -82,23 +84,21 @@ async def _route_and_forward(
     prompt = await gw.tokenizers.prompt(view, model, gw.config.limits) if model is not None else None
     tokens = prompt.ids if prompt is not None else None
     decision = await _decide(gw, request, route, view, replicas, tokens)
-    predicted = recorded_tick = in_flight = None
+    expectation = NOTHING
     if route in PREFIX_ROUTES:
         gw.metrics.child(gw.metrics.decision, decision.policy).observe(decision.seconds)
         chosen = gw.replicas.get(decision.order[0]) if decision.order else None
         hashes = decision.hashes.get(chosen.block_size) if chosen is not None else None
-        if chosen is not None and hashes and not gw.precise(chosen):
-            # What the chosen replica was predicted to hold, as it was before this request: the
-            # reuse it reports is checked against it (Predictions.learn).
-            predicted = gw.index.predicted(chosen.id, hashes, chosen.pending_horizon())
-            recorded_tick = gw.index.tick_now(chosen.id)
-            gw.predictions.record(chosen.id, hashes, time.time())
-        elif chosen is not None and hashes:
-            # An exact replica holds the prompt once it has computed it, which its events will say; a
-            # request sent there meanwhile waits for that prefill anyway and then reuses it. So until
-            # this request ends its prompt counts as held there (RadixIndex.settle).
-            in_flight = (chosen.id, hashes)
-            gw.index.insert(chosen.id, hashes, expires_at=time.time() + gw.config.limits.request_timeout_s)
+        if chosen is not None and hashes:
+            expectation = expect(
+                gw.index,
+                gw.predictions,
+                chosen,
+                hashes,
+                precise=gw.precise(chosen),
+                now=time.time(),
+                request_timeout_s=gw.config.limits.request_timeout_s,
+            )
     routed = Routed(
         route=route,
         model=model or "",
@@ -112,14 +112,13 @@ async def _route_and_forward(
         decision=decision,
         arrival=arrival,
         authorization=request.headers.get("Authorization"),
-        predicted=predicted,
-        recorded_tick=recorded_tick,
+        predicted=expectation.predicted,
+        recorded_tick=expectation.recorded_tick,
     )
     try:
         return await forward(gw, request, routed)
     finally:
-        if in_flight is not None:
-            gw.index.settle(*in_flight)
+        settle(gw.index, expectation)
 
 
 async def _decide(

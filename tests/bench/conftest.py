@@ -10,10 +10,10 @@ import pytest
 
 from tests.support.servers import ServerThread
 from workers.bundled_worker import Worker
-from workers.kv_events import KVEventLog
-from workers.sim.engine import SimEngine
+from workers.kv_event_log import KVEventLog
 from workers.sim.profiles import Profile, get_profile
 from workers.sim.runner import RealClock
+from workers.sim.sim_engine import SimEngine
 from workers.worker_app import create_app
 
 # An H100-class cost model (a step of a few ms) with small blocks, so that short system prompts cache.

@@ -10,7 +10,7 @@ import pytest
 from bench.fleet_ep import layouts, parse_groups
 from bench.trace import write_conversation_trace
 from prefixgate.cli import main
-from workers.sim.moe import Gate
+from workers.sim.moe_routing import Gate
 
 MIXTRAL = "mixtral-8x7b-h100"
 

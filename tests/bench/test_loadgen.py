@@ -10,7 +10,7 @@ import pytest
 
 from bench.arrivals import Arrival, Prompt
 from bench.loadgen import closed_loop, completion_body, failure_kind, replay, replay_sessions
-from bench.words import text_of
+from bench.token_text import text_of
 from bench.workloads import TOKEN_LOW, AgentParams, agent_sessions
 from gateway.forward.upstream import UpstreamError
 from tests.support.servers import free_port

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench.latency import RequestLatency, Slo, summarize
-from bench.pd import PdResult, Split
 from bench.pd_bench import best, verdict
+from bench.pd_fleet import PdResult, Split
 from prefixgate.cli import main
 
 

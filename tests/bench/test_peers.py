@@ -14,7 +14,7 @@ import pytest
 
 from bench.local_fleet import Child, LocalFleet, cli, free_port, spawn, stop, wait_ready
 from bench.peers import MARKER, PEER_PINS, PEER_ROWS, peer_command, peer_router, peers_python, peers_venv
-from bench.words import text_of
+from bench.token_text import text_of
 from workers.completion_replies import WORKER_HEADER
 
 MODEL = "Llama-3.1-8B-Instruct"  # the h100-8b profile's

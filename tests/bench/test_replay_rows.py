@@ -24,7 +24,7 @@ from bench.replay_rows import (
     parse_peers,
     row_gateway_config,
 )
-from gateway.config import parse_config
+from gateway.gateway_config import parse_config
 from prefixgate.cli import build_parser
 from workers.sim.profiles import get_profile
 

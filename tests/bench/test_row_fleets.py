@@ -12,7 +12,7 @@ from bench.loadgen import replay_sessions
 from bench.replay_result import moved_turns
 from bench.replay_rows import APPROX, BLOCKS64, fleet_workers
 from bench.row_fleets import row_fleet
-from bench.words import text_of
+from bench.token_text import text_of
 from bench.workloads import AgentParams, agent_sessions
 from protocol.models import default_tokenizer
 

@@ -22,7 +22,7 @@ import pytest
 import redis
 import yaml
 
-from gateway.config import load_config
+from gateway.gateway_config import load_config
 from protocol.models import default_gguf_path, load_tokenizer_spec
 from protocol.redis_keys import worker_key
 from tests.support.servers import free_port

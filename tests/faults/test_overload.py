@@ -18,7 +18,7 @@ from bench.chaos_fleet import WORKER, fast_gateway_config, sim_profile
 from bench.chaos_traffic import Outcome, burst, completion, family_prompt
 from bench.local_fleet import Fleet, wait_healthy
 from bench.procfs import rss_bytes
-from gateway.config import Limits
+from gateway.gateway_config import Limits
 from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker
 
 MIB = 2**20

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config import Listen
+from gateway.gateway_config import Listen
 from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker
 
 KEYS_ENV, ADMIN_ENV = "PREFIXGATE_TEST_API_KEYS", "PREFIXGATE_TEST_ADMIN_TOKEN"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import load_config, parse_config
+from gateway.gateway_config import load_config, parse_config
 from policies import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from bench.words import text_of
+from bench.token_text import text_of
 from protocol.models import default_tokenizer
 from tests.support.gateways import SIM_MODEL, RecordingBackend, RunningGateway, SimWorker
 

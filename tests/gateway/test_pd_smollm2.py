@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import parse_config
+from gateway.gateway_config import parse_config
 from gateway.http.app import create_app
 from protocol.disaggregation import TRANSFERRED_TOKENS_HEADER
 from protocol.transfer_auth import SECRET_ENV
@@ -22,9 +22,9 @@ from tests.support.polling import wait_for
 from tests.support.servers import ServerThread
 from tests.support.workers import RunningWorker, idle, serve_worker, slow_down
 from workers.bundled_worker import Worker
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine_core import Engine, EngineConfig
 from workers.engine.llm import load
-from workers.kv_events import KVEventLog
+from workers.kv_event_log import KVEventLog
 
 MODEL = "SmolLM2-135M-Instruct"
 SYSTEM = (

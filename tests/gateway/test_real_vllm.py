@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from bench.token_text import text_of
 from bench.vllm_fleet import (
     BLOCK_SIZE,
     VllmServer,
@@ -30,7 +31,6 @@ from bench.vllm_fleet import (
     restart,
     vllm_fleet,
 )
-from bench.words import text_of
 from gateway.forward.relay_headers import PREDICTED_CACHED_HEADER
 from tests.support.polling import wait_for
 

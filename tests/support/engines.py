@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from workers.engine.engine import Engine
+from workers.engine.engine_core import Engine
 from workers.engine.sampling_params import SamplingParams
 
 MAX_NEW = 12

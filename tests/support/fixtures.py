@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench.local_fleet import Fleet
-from gateway.config import parse_config
+from gateway.gateway_config import parse_config
 from gateway.http.app import create_app
 from prefixgate.cli import build_parser
 from tests.support.gateways import (
@@ -24,8 +24,8 @@ from tests.support.gateways import (
     sim_worker_args,
 )
 from tests.support.servers import ServerThread, free_port
-from workers.cli import build_worker, extra_contexts
 from workers.worker_app import create_app as create_worker_app
+from workers.worker_cli import build_worker, extra_contexts
 
 
 @pytest.fixture

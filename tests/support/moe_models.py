@@ -16,7 +16,7 @@ from transformers import (
     Qwen2MoeForCausalLM,
 )
 
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine_core import Engine, EngineConfig
 from workers.engine.loader import LoadedModel
 from workers.engine.sampling_params import SamplingParams
 

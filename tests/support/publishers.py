@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 
 from tests.support.servers import ServerThread
-from workers.kv_events import KVEventLog
-from workers.sim.engine import SimEngine
+from workers.kv_event_log import KVEventLog
+from workers.sim.sim_engine import SimEngine
 
 BLOCK_SIZE = 4
 

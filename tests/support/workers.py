@@ -15,9 +15,9 @@ from aiohttp import web
 
 from tests.support.servers import ServerThread
 from workers.bundled_worker import Worker
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine_core import Engine, EngineConfig
 from workers.engine.loader import LoadedModel
-from workers.kv_events import KVEventLog
+from workers.kv_event_log import KVEventLog
 from workers.worker_app import create_app
 
 

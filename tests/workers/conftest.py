@@ -16,7 +16,7 @@ from tests.support.hf_models import tiny_llama_config
 from tests.support.servers import ServerThread
 from tests.support.workers import RunningWorker, StartWorker, serve_worker, start_worker
 from workers.bundled_worker import Worker
-from workers.engine.engine import EngineConfig
+from workers.engine.engine_core import EngineConfig
 from workers.engine.llm import load
 from workers.engine.loader import LoadedModel, convert_gguf, load_tokenizer, load_weights
 

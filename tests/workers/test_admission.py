@@ -14,7 +14,7 @@ from tests.support.polling import wait_for
 from tests.support.workers import StartWorker, load, random_ids, slow_down
 from tests.workers.worker_http import LONG, error_of, first_event
 from workers.admission import Admission
-from workers.engine.engine import EngineConfig
+from workers.engine.engine_core import EngineConfig
 
 
 def test_an_over_full_queue_answers_429_with_retry_after(make_worker: StartWorker) -> None:

@@ -10,8 +10,8 @@ import time
 from tests.support.sims import SMALL
 from workers.engine.llm import AsyncLLM
 from workers.engine.sampling_params import SamplingParams
-from workers.sim.engine import SimEngine
 from workers.sim.runner import VirtualClock
+from workers.sim.sim_engine import SimEngine
 
 
 def test_a_cancelled_command_is_skipped_and_the_engine_thread_lives() -> None:

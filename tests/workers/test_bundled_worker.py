@@ -4,12 +4,12 @@ and a simulated engine, which has no tokenizer and no KV tensors, gets neither."
 from __future__ import annotations
 
 from workers.bundled_worker import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, Worker, WorkerInfo
-from workers.kv_events import KVEventLog
+from workers.kv_event_log import KVEventLog
 from workers.kv_transfer import NoKV
-from workers.sim.engine import SimEngine
 from workers.sim.profiles import CPU_SMOLLM2
 from workers.sim.runner import VirtualClock
-from workers.sim.words import WordTokenizer
+from workers.sim.sim_engine import SimEngine
+from workers.sim.word_tokenizer import WordTokenizer
 
 
 def test_the_served_model_holds_the_whole_kv_pool() -> None:

@@ -13,7 +13,7 @@ from tests.support.polling import wait_for
 from tests.support.workers import RunningWorker, StartWorker, idle, load, random_ids, slow_down
 from tests.workers.worker_http import LONG, first_event, greedy
 from workers.completion_replies import Usage, engine_failed, token_decoder
-from workers.engine.engine import RequestOutput
+from workers.engine.engine_core import RequestOutput
 from workers.engine.loader import LoadedModel
 
 # -- streams and logprobs ---------------------------------------------------------------------

@@ -14,10 +14,10 @@ from protocol.errors import ApiError
 from tests.support.workers import RunningWorker, load
 from tests.workers.worker_http import error_of
 from workers.bundled_worker import Worker
-from workers.kv_events import KVEventLog
-from workers.sim.engine import SimEngine
+from workers.kv_event_log import KVEventLog
 from workers.sim.profiles import CPU_SMOLLM2
 from workers.sim.runner import VirtualClock
+from workers.sim.sim_engine import SimEngine
 from workers.worker_app import create_app
 
 

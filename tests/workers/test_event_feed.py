@@ -10,7 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from workers.event_feed import EventFeed
-from workers.kv_events import KVEventLog
+from workers.kv_event_log import KVEventLog
 
 
 def on_a_started_feed(check: Callable[[KVEventLog, EventFeed], Awaitable[None]]) -> None:

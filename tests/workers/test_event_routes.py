@@ -18,7 +18,7 @@ from protocol.kv_events import EventBatch, apply_batches
 from tests.support.polling import wait_for
 from tests.support.workers import RunningWorker, StartWorker, idle, random_ids
 from tests.workers.worker_http import error_of, greedy
-from workers.engine.engine import EngineConfig
+from workers.engine.engine_core import EngineConfig
 from workers.event_routes import query_number
 
 

@@ -17,13 +17,13 @@ from tests.support.polling import wait_for
 from tests.support.workers import RunningWorker, StartWorker, idle, random_ids
 from tests.workers.worker_http import error_of, greedy
 from workers.bundled_worker import Worker
-from workers.engine.engine import EngineConfig, PromptTooLong, RequestOutput
+from workers.engine.engine_core import EngineConfig, PromptTooLong, RequestOutput
 from workers.engine.scheduler import UnschedulableSequence
-from workers.kv_events import KVEventLog
+from workers.kv_event_log import KVEventLog
 from workers.openai_routes import first_output
-from workers.sim.engine import SimEngine
 from workers.sim.profiles import CPU_SMOLLM2
 from workers.sim.runner import VirtualClock
+from workers.sim.sim_engine import SimEngine
 
 # -- OpenAI endpoints -------------------------------------------------------------------------
 

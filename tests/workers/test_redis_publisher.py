@@ -29,11 +29,11 @@ from tests.support.publishers import BLOCK_SIZE, PublishedWorker, StartWorker
 from tests.support.redis import start_redis_server
 from tests.support.servers import ServerThread, free_port
 from workers.bundled_worker import Worker
-from workers.kv_events import KVEventLog
+from workers.kv_event_log import KVEventLog
 from workers.redis_publisher import PublisherConfig, redis_context
-from workers.sim.engine import SimEngine
 from workers.sim.profiles import CPU_SMOLLM2
 from workers.sim.runner import RealClock, SimClock, VirtualClock
+from workers.sim.sim_engine import SimEngine
 from workers.worker_app import create_app
 
 

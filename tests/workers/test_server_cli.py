@@ -15,7 +15,7 @@ import pytest
 
 from prefixgate.cli import build_parser
 from tests.support.servers import free_port
-from workers.cli import engine_config, parse_bytes
+from workers.worker_cli import engine_config, parse_bytes
 
 pytestmark = pytest.mark.fleet
 

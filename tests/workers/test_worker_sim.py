@@ -14,10 +14,10 @@ import pytest
 from prefixgate.cli import build_parser
 from tests.support.servers import ServerThread
 from workers.bundled_worker import Worker
-from workers.cli import advertise_url, build_engine, build_worker, engine_config, extra_contexts
-from workers.kv_events import KVEventLog
+from workers.kv_event_log import KVEventLog
 from workers.sim.profiles import get_profile
 from workers.worker_app import create_app
+from workers.worker_cli import advertise_url, build_engine, build_worker, engine_config, extra_contexts
 
 
 def parse(*flags: str) -> argparse.Namespace:

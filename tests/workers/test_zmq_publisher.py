@@ -26,9 +26,9 @@ from radix.hashing import chain_hashes, root_hash
 from tests.support.servers import ServerThread, distinct_ports
 from workers.app_state import RUNTIME
 from workers.bundled_worker import Worker
-from workers.cli import build_worker, extra_contexts
-from workers.kv_events import KVEventLog
+from workers.kv_event_log import KVEventLog
 from workers.worker_app import create_app
+from workers.worker_cli import build_worker, extra_contexts
 from workers.zmq_publisher import ZmqPublisher, ZmqPublisherConfig
 
 BLOCK_SIZE = 16

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from workers.engine.batch import ScheduledChunk
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine_core import Engine, EngineConfig
 from workers.engine.loader import load_model, load_weights, model_folder, read_config
 from workers.engine.model import LlamaForCausalLM, UnsupportedModelError
 from workers.engine.model.moe import ExpertBank, ExpertShard, combine

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from workers.engine.engine import Engine, EngineConfig, RequestOutput
+from workers.engine.engine_core import Engine, EngineConfig, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import SchedulerStats
 

@@ -42,7 +42,7 @@ from typing import NamedTuple
 from workers.engine.batch import ScheduledChunk
 from workers.sim.cost_model import CostModel, StepShape, step_shape
 from workers.sim.link import KvLink
-from workers.sim.moe import ExpertLayout
+from workers.sim.moe_routing import ExpertLayout
 
 
 def all_to_all_bytes(tokens: int, hidden: int, dtype_bytes: int, top_k: int, group: int) -> float:

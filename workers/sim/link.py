@@ -2,7 +2,7 @@
 
 A transfer is one message of `bytes` over the sending GPU's network link: a fixed latency (the
 handshake that names the blocks, the completion notice) plus the bytes at the link's sustained
-bandwidth. Whether links are shared, and by whom, is the simulator's business (bench.pd queues
+bandwidth. Whether links are shared, and by whom, is the simulator's business (bench.pd_fleet queues
 the transfers that use one link at once); this is the time of one on an idle link.
 
 Pure: no clock, no I/O.

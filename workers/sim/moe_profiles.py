@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from workers.sim.ep_cost import ExpertParallelCost
 from workers.sim.link import KvLink
-from workers.sim.moe import ExpertLayout, Gate, MoeModel
+from workers.sim.moe_routing import ExpertLayout, Gate, MoeModel
 from workers.sim.profiles import (
     BF16_BYTES,
     H100_BF16_FLOPS,

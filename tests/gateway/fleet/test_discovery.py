@@ -14,8 +14,8 @@ import redis
 from aiohttp import web
 from redis.asyncio import Redis
 
-from gateway.config import ReplicaEntry
 from gateway.fleet.discovery import Probe, ProbeFailed, probe, read_registry
+from gateway.gateway_config import ReplicaEntry
 from protocol.redis_keys import WORKERS, worker_key
 from tests.support.servers import ServerThread
 

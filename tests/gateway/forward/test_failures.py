@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.config import Limits
 from gateway.forward.failures import Failures, refusal, stream_error, unavailable
 from gateway.forward.upstream import UpstreamError
+from gateway.gateway_config import Limits
 from protocol.openai_responses import SSE_DONE
 from tests.support.replicas import MODEL, replica
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.config import GatewayConfig
 from gateway.forward.payloads import continuation, payload, reads_ids
+from gateway.gateway_config import GatewayConfig
 from protocol.errors import ApiError
 from tests.support.replicas import MODEL, replica, routed
 

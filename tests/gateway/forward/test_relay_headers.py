@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict
 
-from gateway.config import GatewayConfig
 from gateway.forward.relay_headers import (
     MATCHED_BLOCKS_HEADER,
     POLICY_HEADER,
@@ -18,6 +17,7 @@ from gateway.forward.relay_headers import (
     response_headers,
     upstream_headers,
 )
+from gateway.gateway_config import GatewayConfig
 from policies.view import ReplicaView
 from tests.support.replicas import routed
 

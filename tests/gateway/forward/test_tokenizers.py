@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.config import Limits
 from gateway.forward.request_view import RequestView
 from gateway.forward.tokenizers import LONG_QUEUE, SHORT_PROMPT_CHARS, Tokenizers
+from gateway.gateway_config import Limits
 
 MODEL = "m"
 LIMITS = Limits(max_routed_tokens=256, max_tokenized_chars=4096)

@@ -36,8 +36,8 @@ from tests.support.gateways import SIM_MODEL, RunningGateway, foreign_backend
 from tests.support.polling import wait_for, wait_for_async
 from tests.support.servers import ServerThread, distinct_ports
 from workers.app_state import RUNTIME
-from workers.cli import build_worker
 from workers.worker_app import create_app
+from workers.worker_cli import build_worker
 from workers.zmq_publisher import ZmqPublisher, ZmqPublisherConfig
 
 MODEL = "test-model"

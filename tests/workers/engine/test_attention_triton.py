@@ -25,7 +25,7 @@ from workers.engine.attention import (
     choose_backend,
     triton_paged,
 )
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine_core import Engine, EngineConfig
 
 pytestmark = pytest.mark.real
 

@@ -14,7 +14,7 @@ from tests.support.moe_models import mixtral, save
 from workers.engine.attention import BackendUnavailableError
 from workers.engine.batch import ScheduledChunk
 from workers.engine.decode_graphs import BATCH_LADDER, DecodeGraphs, batch_sizes_for
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine_core import Engine, EngineConfig
 from workers.engine.loader import load_weights
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampling_params import SamplingParams

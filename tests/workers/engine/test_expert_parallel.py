@@ -16,12 +16,12 @@ from tests.support.moe_models import NUM_EXPERTS, engine_greedy, mixtral, prompt
 from tests.support.workers import serve_worker
 from workers.bundled_worker import Worker
 from workers.engine.batch import ScheduledChunk
-from workers.engine.engine import EngineConfig
+from workers.engine.engine_core import EngineConfig
 from workers.engine.expert_parallel import ExpertParallelGroup
 from workers.engine.loader import convert_gguf
 from workers.engine.model import UnsupportedModelError
 from workers.engine.sampling_params import SamplingParams
-from workers.kv_events import KVEventLog
+from workers.kv_event_log import KVEventLog
 
 pytestmark = pytest.mark.real
 

@@ -337,7 +337,7 @@ def test_smollm2_engine_matches_hf_with_preemption_chunking_and_prefix_hits(
     and the chat template's shared system prompt served from the prefix cache."""
     from unittest import mock
 
-    from workers.engine.engine import Engine, EngineConfig
+    from workers.engine.engine_core import Engine, EngineConfig
 
     prompts, expected = smol_reference
     need = [-(-(len(p) + SMOL_NEW_TOKENS) // 16) for p in prompts]

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from workers.engine.batch import ScheduledChunk, StepOutput
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine_core import Engine, EngineConfig
 from workers.engine.llm import load
 from workers.engine.loader import LoadedModel
 from workers.engine.sampling_params import SamplingParams

@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from tests.support.sims import SMALL
-from workers.engine.engine import Engine, EngineConfig, PromptTooLong, RequestOutput
+from workers.engine.engine_core import Engine, EngineConfig, PromptTooLong, RequestOutput
 from workers.engine.llm import AsyncLLM, Completion
 from workers.engine.loader import LoadedModel
 from workers.engine.model import LlamaForCausalLM, ModelConfig
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence
 from workers.sim.cost_model import CostModel
-from workers.sim.engine import SimEngine
 from workers.sim.profiles import CPU_SMOLLM2, H100_8B, Profile
 from workers.sim.runner import RealClock, VirtualClock
+from workers.sim.sim_engine import SimEngine
 
 
 def drain(engine: Engine | SimEngine) -> dict[int, list[RequestOutput]]:

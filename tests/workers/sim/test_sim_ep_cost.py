@@ -10,7 +10,6 @@ from workers.engine.sampling_params import SamplingParams
 from workers.sim.cost_model import CostModel, StepShape, chunk_shape
 from workers.sim.ep_cost import ExpertParallelCost, all_to_all_bytes
 from workers.sim.link import KvLink
-from workers.sim.moe import ExpertLayout, Gate
 from workers.sim.moe_profiles import (
     GPU_MEMORY_UTILIZATION,
     H100_HBM_BYTES,
@@ -22,6 +21,7 @@ from workers.sim.moe_profiles import (
     min_group,
     weight_bytes_per_gpu,
 )
+from workers.sim.moe_routing import ExpertLayout, Gate
 
 MIXTRAL = "mixtral-8x7b-h100"
 QWEN3 = "qwen3-30b-a3b-h100"

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from workers.engine.attention.backend import StepAttention
-from workers.engine.model.config import ModelConfig
 from workers.engine.model.linear import Linear
 from workers.engine.model.mlp import MLP
+from workers.engine.model.model_config import ModelConfig
 from workers.engine.model.moe import ExpertShard, RoutingCounts, SparseMoeBlock
 from workers.engine.model.rope import RotaryEmbedding, apply_rotary
 

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.engine.model.config import ModelConfig, MoeConfig, UnsupportedModelError
 from workers.engine.model.linear import Linear
 from workers.engine.model.mlp import MLP
+from workers.engine.model.model_config import ModelConfig, MoeConfig, UnsupportedModelError
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from workers.engine.model.config import RopeConfig
+from workers.engine.model.model_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ largest of G standard normals (Blom's approximation; 0 for G = 1), capped at wha
 hold. The picks' variance per token is the hypergeometric one of a uniform gate, k * s * (1 - s) *
 (E - k) / (E - 1) for a rank with share s of the picks; for a skewed gate it is an approximation,
 beside a mean that dominates there. Against a Monte Carlo of a uniform gate this is within 10% from
-4 tokens a step up (tests/workers/sim/test_sim_moe.py).
+4 tokens a step up (tests/workers/sim/test_sim_moe_routing.py).
 
 Pure: no clock, no I/O.
 """

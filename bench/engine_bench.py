@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from bench.report import bar_panels, format_table, write_json
-from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine_core import Engine, EngineConfig
 from workers.engine.llm import load
 from workers.engine.loader import LoadedModel
 from workers.engine.sampling_params import SamplingParams

@@ -20,11 +20,11 @@ from radix.hashing import block_hashes
 from tests.support.polling import wait_for
 from tests.support.workers import RunningWorker, StartWorker, idle, random_ids, slow_down
 from workers.bundled_worker import Worker
-from workers.engine.engine import EngineConfig
-from workers.kv_events import KVEventLog
-from workers.sim.engine import SimEngine
+from workers.engine.engine_core import EngineConfig
+from workers.kv_event_log import KVEventLog
 from workers.sim.profiles import CPU_SMOLLM2
 from workers.sim.runner import VirtualClock
+from workers.sim.sim_engine import SimEngine
 
 CONFIG = EngineConfig(block_size=4, num_blocks=256)
 # The fleet's KV transfer secret: every worker here holds it, and the tests sign as the gateway would.

@@ -13,7 +13,7 @@ A request's way through a split, as the gateway and the workers of a disaggregat
    free KV and the decode replicas' own cached prefixes decide the one, prefix_aware among the
    prefill replicas the other. A decode replica's view counts the requests waiting for room there
    and the transfers on their way to it as queued requests (the gateway has them in flight there).
-   Then the decode worker's side (workers.disaggregation): it `reserve`s blocks for the prompt
+   Then the decode worker's side (workers.kv_handoff): it `reserve`s blocks for the prompt
    blocks it lacks before any prefill runs, so that a transfer never arrives to a full pool. With
    no room for them the request waits in the replica's queue of pending reservations, first come
    first served, retried after each of the replica's steps (steps are what free blocks); one that
@@ -268,7 +268,7 @@ class PdFleet:
             self.routes["decode_cached"] += 1
             self._start(target, request, now)
             return
-        # The decode worker's side (workers.disaggregation): reserve, wait for room, or compute the
+        # The decode worker's side (workers.kv_handoff): reserve, wait for room, or compute the
         # prompt itself. A request behind others waiting keeps its place, so only the head tries.
         usable = (len(tokens) - 1) // bs
         pull = _Pull(request, self._pos[pair.prefill], hashes[:usable], now + self.reserve_wait_s)

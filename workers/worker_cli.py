@@ -20,15 +20,15 @@ from typing import TYPE_CHECKING
 
 from protocol.disaggregation import ROLES
 from protocol.transfer_auth import SECRET_ENV, parse_secret
-from workers.disaggregation import DEFAULT_ROOM_WAIT_S, DEFAULT_TRANSFER_TIMEOUT_S
+from workers.kv_handoff import DEFAULT_ROOM_WAIT_S, DEFAULT_TRANSFER_TIMEOUT_S
 
 if TYPE_CHECKING:
     from workers.app_state import Context
     from workers.bundled_worker import Worker
-    from workers.engine.engine import Engine, EngineConfig
-    from workers.kv_events import KVEventLog
-    from workers.sim.engine import SimEngine
-    from workers.sim.words import WordTokenizer
+    from workers.engine.engine_core import Engine, EngineConfig
+    from workers.kv_event_log import KVEventLog
+    from workers.sim.sim_engine import SimEngine
+    from workers.sim.word_tokenizer import WordTokenizer
 
 DEFAULT_PORT = 8101
 DEFAULT_BLOCK_SIZE = 16
@@ -213,7 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    from workers.engine.engine import EngineConfig
+    from workers.engine.engine_core import EngineConfig
 
     memory = {} if args.kv_memory is None else {"kv_memory_bytes": args.kv_memory}
     return EngineConfig(
@@ -238,8 +238,8 @@ def _device(name: str) -> str:
 
 def sim_engine(args: argparse.Namespace, events: KVEventLog) -> SimEngine:
     """The --sim engine: the profile as given, but with the pool the flags ask for, if they do."""
-    from workers.sim.engine import SimEngine
     from workers.sim.profiles import get_profile
+    from workers.sim.sim_engine import SimEngine
 
     if args.kv_memory is not None:
         raise SystemExit(
@@ -263,7 +263,7 @@ def build_engine(args: argparse.Namespace, events: KVEventLog) -> tuple[Engine |
     if args.expert_parallel > 1:
         engine = _expert_parallel_engine(args, events)
     else:
-        from workers.engine.engine import Engine
+        from workers.engine.engine_core import Engine
         from workers.engine.llm import load
 
         model = load(args.model, device=_device(args.device))
@@ -299,14 +299,14 @@ def sim_tokenizer(name: str, vocab_size: int) -> WordTokenizer | None:
     """The --sim-tokenizer named, over the simulated engine's vocabulary (none: None)."""
     if name == "none":
         return None
-    from workers.sim.words import WordTokenizer
+    from workers.sim.word_tokenizer import WordTokenizer
 
     return WordTokenizer(vocab_size)
 
 
 def build_worker(args: argparse.Namespace) -> Worker:
     from workers.bundled_worker import Worker
-    from workers.kv_events import KVEventLog
+    from workers.kv_event_log import KVEventLog
 
     # vLLM's events carry each stored block's tokens, which the log keeps only for that publisher.
     events = KVEventLog(keep_tokens=args.kv_events_zmq is not None)

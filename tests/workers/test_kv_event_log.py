@@ -14,7 +14,7 @@ from protocol.kv_events import EventBatch, KVEvent, apply_batches
 from workers.engine.block_manager import BlockManager
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import Sequence
-from workers.kv_events import EventsGone, KVEventLog
+from workers.kv_event_log import EventsGone, KVEventLog
 
 ONE = SamplingParams(max_tokens=1)
 

@@ -1,4 +1,4 @@
-"""SimEngine: Engine's loop (workers.engine.engine) over the real scheduler and block manager, with a
+"""SimEngine: Engine's loop (workers.engine.engine_core) over the real scheduler and block manager, with a
 SimRunner in place of the model.
 
 Only what has no model behind it differs: there is no tokenizer (`tokenizer` is None: prompts arrive
@@ -10,7 +10,7 @@ is a SimClock object (`clock.now()`), because the runner must also make time pas
 from __future__ import annotations
 
 from workers.engine.block_manager import BlockManager, StoredTokensCallback
-from workers.engine.engine import ClearedCallback, Engine, RemovedCallback, StoredCallback, kv_callbacks
+from workers.engine.engine_core import ClearedCallback, Engine, RemovedCallback, StoredCallback, kv_callbacks
 from workers.engine.scheduler import Scheduler, SchedulerConfig
 from workers.engine.sequence import Sequence
 from workers.sim.profiles import Profile

@@ -13,7 +13,7 @@ import pytest
 from tests.support.engines import GREEDY, MAX_NEW, prompts, run
 from tests.support.hf_models import hf_greedy
 from workers.engine.batch import ScheduledChunk, StepOutput
-from workers.engine.engine import Engine, EngineConfig, PromptTooLong
+from workers.engine.engine_core import Engine, EngineConfig, PromptTooLong
 from workers.engine.llm import LLM, AsyncLLM
 from workers.engine.loader import LoadedModel
 from workers.engine.sampling_params import SamplingParams

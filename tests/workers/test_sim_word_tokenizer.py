@@ -14,13 +14,13 @@ import httpx
 import pytest
 
 from bench.local_fleet import Child, LocalFleet, cli, free_port, spawn, stop, wait_ready
-from bench.words import text_of
+from bench.token_text import text_of
 from prefixgate.cli import build_parser
 from protocol.openai_api import ServedModel, parse_chat
 from protocol.prompts import prompt_token_ids
-from workers.cli import build_worker
 from workers.completion_replies import WORKER_HEADER
-from workers.sim.words import WordTokenizer
+from workers.sim.word_tokenizer import WordTokenizer
+from workers.worker_cli import build_worker
 
 VOCAB = 128256
 
@@ -32,10 +32,13 @@ def test_each_word_is_one_stable_id_in_range_and_whitespace_only_separates() -> 
     assert all(0 <= i < VOCAB for i in ids)
     assert tokenizer.encode("") == [] and tokenizer.encode(" \n ") == []
     # The same in another process: the hash is not Python's salted one.
-    script = "from workers.sim.words import WordTokenizer; print(WordTokenizer(128256).encode('kaba dizo'))"
+    script = (
+        "from workers.sim.word_tokenizer import WordTokenizer; "
+        "print(WordTokenizer(128256).encode('kaba dizo'))"
+    )
     other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert other.stdout.strip() == str(ids[:2])
-    # bench.words' text of n ids is n words, and a prefix of ids gives a prefix of the word ids.
+    # bench.token_text' text of n ids is n words, and a prefix of ids gives a prefix of the word ids.
     workload = list(range(1000, 1400))
     assert len(tokenizer.encode(text_of(workload))) == 400
     assert tokenizer.encode(text_of(workload[:150])) == tokenizer.encode(text_of(workload))[:150]

@@ -55,7 +55,7 @@ from protocol.transfer_auth import (
     verify,
 )
 from workers.engine.block_manager import Reservation
-from workers.engine.engine import Engine
+from workers.engine.engine_core import Engine
 from workers.engine.llm import AsyncLLM
 from workers.engine.sampling_params import SamplingParams
 from workers.kv_transfer import KVStore, TransferError, TransferServer, send_blocks

@@ -5,7 +5,7 @@ A gateway before foreign backends (vLLM, SGLang, a hosted API) tokenizes with it
 while each backend caches and reports usage in its own. With this tokenizer a simulated worker is
 such a backend: its prompt_tokens, cached_tokens and KV blocks count whitespace-separated words,
 where the gateway, reading the same text with SmolLM2's tokenizer, counts about 2.8 tokens for each
-of bench.words' made-up words. Each word's id is a stable hash of it (xxh3, not Python's per-process
+of bench.token_text' made-up words. Each word's id is a stable hash of it (xxh3, not Python's per-process
 salted `hash`), so every worker and every run gives a text the same ids and a repeated prefix of
 words hits the worker's cache as a real tokenizer's ids would.
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from bench.latency import RequestLatency
-from bench.pd import PdFleet, Split, parse_splits
+from bench.pd_fleet import PdFleet, Split, parse_splits
 from bench.workloads import LongMixParams, Session, Turn, longmix_sessions
 from radix import block_hashes
 from workers.sim.cost_model import chunk_shape

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from policies import ConfigError, Role, RoutingConfig
-from policies.config import format_validation_error
+from policies.routing_config import format_validation_error
 from protocol.vllm_kv_events import check_endpoint, default_replay_endpoint
 
 ReplicaKind = Literal["auto", "bundled", "openai"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workers.sim.moe import ExpertLayout, Gate
 from workers.sim.moe_profiles import MIXTRAL_8X7B, QWEN3_30B_A3B
+from workers.sim.moe_routing import ExpertLayout, Gate
 
 
 def uniform_gate_draws(experts: int, top_k: int, tokens: int, trials: int, seed: int = 0) -> np.ndarray:

@@ -1,0 +1,62 @@
+"""What a routed request leaves in the index before it is forwarded, and after it ends."""
+
+from __future__ import annotations
+
+from gateway.fleet.expectations import NOTHING, expect, settle
+from gateway.fleet.predictions import Predictions
+from radix.index import RadixIndex
+from tests.support.replicas import replica
+
+HASHES = [11, 12, 13]
+
+
+def test_a_predicted_replica_is_predicted_to_hold_the_prompt_for_the_ttl() -> None:
+    index = RadixIndex()
+    index.add_replica("p", 100, learn=True)
+    index.insert("p", HASHES[:1])
+    predictions = Predictions(index, ttl_s=30.0)
+    expectation = expect(
+        index,
+        predictions,
+        replica("p", kind="openai"),
+        HASHES,
+        precise=False,
+        now=1000.0,
+        request_timeout_s=5,
+    )
+    # What it held before this request is what its report will be checked against.
+    assert expectation.predicted is not None and expectation.recorded_tick is not None
+    assert expectation.in_flight is None and predictions.stats.recorded == 1
+    assert index.match(HASHES)["p"] == 3
+    settle(index, expectation)
+    assert index.match(HASHES)["p"] == 3, "a prediction outlives the request: its TTL ends it"
+
+
+def test_an_exact_replica_holds_the_prompt_only_while_the_request_runs() -> None:
+    index = RadixIndex()
+    index.add_replica("e")
+    predictions = Predictions(index, ttl_s=30.0)
+    expectation = expect(
+        index, predictions, replica("e"), HASHES, precise=True, now=1000.0, request_timeout_s=5
+    )
+    assert expectation.in_flight == ("e", HASHES) and expectation.predicted is None
+    assert index.match(HASHES)["e"] == 3 and predictions.stats.recorded == 0
+    settle(index, expectation)
+    assert index.match(HASHES).get("e", 0) == 0, "its KV events say what it really stored"
+
+
+def test_a_prompt_without_full_blocks_leaves_nothing() -> None:
+    index = RadixIndex()
+    index.add_replica("e")
+    assert (
+        expect(
+            index,
+            Predictions(index, ttl_s=30.0),
+            replica("e"),
+            [],
+            precise=True,
+            now=0.0,
+            request_timeout_s=5,
+        )
+        is NOTHING
+    )
