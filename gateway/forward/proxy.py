@@ -76,6 +76,11 @@ class _Attempt:
     def prefill_id(self) -> str | None:
         return self.leg.prefill.id if self.leg is not None else None
 
+    @property
+    def paired(self) -> bool:
+        """Whether a prefill replica computed the prompt (its reuse report is not this replica's)."""
+        return self.leg is not None
+
 
 async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.StreamResponse:
     limits = gw.config.limits
@@ -165,7 +170,7 @@ async def _attempt(
         # The client left while an answer was awaited: counted with the replica it was on (one that
         # leaves before the answer's head is counted unlabelled, by the middleware).
         if upstream is not None and not request.get(ACCOUNTED):
-            account(gw, routed, attempt.replica, CLIENT_GONE, None, paired=attempt.leg is not None)
+            account(gw, routed, attempt.replica, CLIENT_GONE, None, paired=attempt.paired)
             request[ACCOUNTED] = True
         raise
     finally:
@@ -230,7 +235,7 @@ async def _relay_body(
         attempt.replica,
         status,
         reported_usage(headers, body[-TAIL_BYTES:], attempt.replica),
-        paired=attempt.leg is not None,
+        paired=attempt.paired,
     )
     return web.Response(
         body=body,
@@ -297,7 +302,7 @@ class _Relay:
         from)."""
         replica = self.attempt.replica
         usage = None if self.continued else reported_usage(upstream.headers, self.tail, replica)
-        account(self.gw, self.routed, replica, status, usage, paired=self.attempt.leg is not None)
+        account(self.gw, self.routed, replica, status, usage, paired=self.attempt.paired)
 
 
 async def _relay_stream(
