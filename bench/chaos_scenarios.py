@@ -37,9 +37,10 @@ from bench.chaos_traffic import (
     disconnect_storm_clients,
     family_prompt,
 )
-from bench.local_fleet import Fleet, free_port, start_gateway, start_redis, start_worker, wait_healthy
+from bench.local_fleet import Fleet, start_gateway, start_redis, start_worker, wait_healthy
 from bench.probes import get_json, metric, wait_until
 from bench.procfs import rss_bytes
+from protocol.loopback_ports import free_port
 from protocol.redis_keys import WORKERS, worker_key
 
 # The gateway's per-request timeout in the stuck-upstream scenario, and the slack a loaded 2-core

@@ -20,7 +20,8 @@ import httpx
 from bench.chaos_fleet import MODEL, POLL_S, START_TIMEOUT_S, WORKER, fast_gateway_config, sim_profile
 from bench.chaos_scenarios import ScenarioResult
 from bench.chaos_traffic import completion, family_prompt
-from bench.local_fleet import Fleet, free_port, start_gateway, start_worker, wait_healthy
+from bench.local_fleet import Fleet, start_gateway, start_worker, wait_healthy
+from protocol.loopback_ports import free_port
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import random
 import secrets
 import shutil
 import signal
@@ -36,6 +35,7 @@ import httpx
 import yaml
 
 from bench.probes import wait_until
+from protocol.loopback_ports import free_port
 from protocol.transfer_auth import SECRET_ENV
 from workers.sim.profiles import get_profile
 
@@ -48,35 +48,6 @@ POLL_S = 0.2
 # A redis-server answers within milliseconds of starting: polled finer than the Python processes.
 REDIS_POLL_S = 0.05
 LOG_TAIL_CHARS = 3000
-
-
-# Ports free_port picks among, just below the ephemeral range.
-_PORTS_BELOW_EPHEMERAL = 12_000
-
-
-def free_port() -> int:
-    """A loopback port nothing is bound to now, below the kernel's ephemeral range: one from that range
-    (the kernel's own pick) can be taken, before its server binds it, as the local port of any outgoing
-    connection (a gateway's, a health probe's), which once kept a fleet test's worker from starting;
-    below it, the race is only with other starters, spread by the random pick."""
-    floor = _ephemeral_floor()
-    for _ in range(200):
-        port = random.randrange(max(1024, floor - _PORTS_BELOW_EPHEMERAL), floor)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free loopback port in the {_PORTS_BELOW_EPHEMERAL} below {floor}")
-
-
-def _ephemeral_floor() -> int:
-    """The lowest port the kernel gives outgoing connections (Linux's default when it cannot say)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ import httpx
 import torch
 from tqdm import tqdm
 
-from bench.local_fleet import Child, LocalFleet, cli, free_port, spawn, stop, transfer_secret, wait_ready
+from bench.local_fleet import Child, LocalFleet, cli, spawn, stop, transfer_secret, wait_ready
 from bench.report import bar_panels, format_table, write_json
 from protocol.disaggregation import (
     PREFILL_FIELD,
@@ -34,6 +34,7 @@ from protocol.disaggregation import (
     TRANSFER_MS_HEADER,
     TRANSFERRED_TOKENS_HEADER,
 )
+from protocol.loopback_ports import free_port
 from protocol.transfer_auth import grant
 from workers.engine.llm import load
 from workers.engine.model_runner import ModelRunner

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.local_fleet import Child, free_port, spawn, stop
+from bench.local_fleet import Child, spawn, stop
+from protocol.loopback_ports import free_port
 from protocol.models import cache_root
 
 PEER_PINS = ("sglang-router==0.3.2", "vllm-router==0.1.17")

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import yaml
 
-from bench.local_fleet import LocalFleet, cli, free_port, spawn, stop, wait_ready, worker_command
+from bench.local_fleet import LocalFleet, cli, spawn, stop, wait_ready, worker_command
 from bench.peers import peer_router
 from bench.replay_rows import FleetWorkers, Mode, row_gateway_config
+from protocol.loopback_ports import free_port
 
 
 @contextlib.contextmanager

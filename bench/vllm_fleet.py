@@ -50,8 +50,9 @@ import yaml
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.local_fleet import Child, LocalFleet, cli, free_port, spawn, stop, wait_ready
+from bench.local_fleet import Child, LocalFleet, cli, spawn, stop, wait_ready
 from bench.vllm_env import ensure_vllm_env
+from protocol.loopback_ports import free_port
 from protocol.models import DEFAULT_MODEL_NAME, converted_folder, default_gguf_path
 
 BLOCK_SIZE = 32

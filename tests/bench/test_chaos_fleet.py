@@ -22,7 +22,7 @@ from bench.chaos_fleet import (
     sim_profile,
     unhealthy,
 )
-from bench.local_fleet import free_port
+from protocol.loopback_ports import free_port
 from tests.bench.stub_server import serving
 from workers.sim.profiles import get_profile
 

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from bench.chaos_streams import _migrations, stream_replay
-from bench.local_fleet import free_port
+from protocol.loopback_ports import free_port
 from tests.bench.stub_server import serving
 
 METRICS = """\

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from bench.chaos_fleet import MODEL
 from bench.chaos_traffic import Traffic, _outcome, burst, completion, family_prompt
-from bench.local_fleet import free_port
+from protocol.loopback_ports import free_port
 from tests.bench.stub_server import serving
 
 

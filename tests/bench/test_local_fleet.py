@@ -1,10 +1,9 @@
-"""The local fleet harness: ports never where the kernel puts the local ports of outgoing connections,
-the gateway config it writes, what ready means (for a worker, a gateway and Redis), a child that dies
-while starting named with its log, and a Fleet that stops what it started, services last."""
+"""The local fleet harness: the gateway config it writes, what ready means (for a worker, a gateway and
+Redis), a child that dies while starting named with its log, and a Fleet that stops what it started,
+services last (its ports: tests/protocol/test_loopback_ports.py)."""
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,37 +12,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from bench.local_fleet import (
-    Child,
-    Fleet,
-    _ephemeral_floor,
-    free_port,
-    gateway_config,
-    healthy,
-    spawn,
-    start_redis,
-    stop,
-    wait_healthy,
-)
+from bench.local_fleet import Child, Fleet, gateway_config, healthy, spawn, start_redis, stop, wait_healthy
+from protocol.loopback_ports import free_port
 from tests.bench.stub_server import serving
-from tests.support.servers import distinct_ports
-
-
-def test_a_free_port_is_bindable_and_below_the_ephemeral_range() -> None:
-    floor = _ephemeral_floor()
-    for _ in range(50):
-        port = free_port()
-        assert 1024 <= port < floor
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))
-
-
-def test_a_port_in_use_is_not_picked() -> None:
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", free_port()))
-        taken = held.getsockname()[1]
-        assert taken not in {free_port() for _ in range(500)}
-    assert len(set(distinct_ports(20))) == 20
 
 
 def test_the_gateway_config_routes_token_ids_over_the_workers() -> None:

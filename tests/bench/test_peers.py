@@ -12,9 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.local_fleet import Child, LocalFleet, cli, free_port, spawn, stop, wait_ready
+from bench.local_fleet import Child, LocalFleet, cli, spawn, stop, wait_ready
 from bench.peers import MARKER, PEER_PINS, PEER_ROWS, peer_command, peer_router, peers_python, peers_venv
 from bench.token_text import text_of
+from protocol.loopback_ports import free_port
 from workers.completion_replies import WORKER_HEADER
 
 MODEL = "Llama-3.1-8B-Instruct"  # the h100-8b profile's

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from bench.local_fleet import free_port
 from bench.probes import get_json, metric, sample, wait_until
+from protocol.loopback_ports import free_port
 
 PAGE = """\
 # TYPE prefixgate_gateway_inflight_requests gauge

@@ -22,8 +22,9 @@ from aiohttp import web
 
 from bench.chaos_fleet import WORKER, sim_profile
 from bench.chaos_streams import streams_replica_killed
-from bench.local_fleet import Child, Fleet, cli, free_port, spawn, start_worker, wait_healthy
+from bench.local_fleet import Child, Fleet, cli, spawn, start_worker, wait_healthy
 from gateway.forward.migration import MAX_EVENT_BYTES, Sent, StreamTap, continuation_body
+from protocol.loopback_ports import free_port
 from tests.support.gateways import SIM_MODEL, RunningGateway
 from tests.support.servers import ServerThread
 

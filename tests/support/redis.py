@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.local_fleet import free_port, start_redis
+from bench.local_fleet import start_redis
+from protocol.loopback_ports import free_port
 
 
 def start_redis_server(port: int, workdir: Path) -> subprocess.Popen[bytes]:

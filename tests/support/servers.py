@@ -7,7 +7,7 @@ import threading
 
 from aiohttp import web
 
-from bench.local_fleet import free_port
+from protocol.loopback_ports import free_port
 
 __all__ = ["ServerThread", "distinct_ports", "free_port"]
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.local_fleet import Child, LocalFleet, cli, free_port, spawn, stop, wait_ready
+from bench.local_fleet import Child, LocalFleet, cli, spawn, stop, wait_ready
 from bench.token_text import text_of
 from prefixgate.cli import build_parser
+from protocol.loopback_ports import free_port
 from protocol.openai_api import ServedModel, parse_chat
 from protocol.prompts import prompt_token_ids
 from workers.completion_replies import WORKER_HEADER

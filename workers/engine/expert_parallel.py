@@ -36,7 +36,6 @@ would not reach the other ranks, so that role is refused with expert parallelism
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -48,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from protocol.loopback_ports import free_port
 from workers.engine.batch import ScheduledChunk
 from workers.engine.engine_core import Engine, EngineConfig
 from workers.engine.loader import load_model, load_weights, model_folder, read_config
@@ -129,12 +129,6 @@ def shard_model(model: LlamaForCausalLM) -> ExchangeTimes:
     for block in model.moe_blocks():
         block.dispatch = AllToAllDispatch(model.shard, moe.num_experts, times)
     return times
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _join(rank: int, size: int, port: int) -> None:
