@@ -200,11 +200,11 @@ def _check_model(name: str | None, model: ServedModel) -> None:
         )
 
 
-def _in_vocabulary(ids: TokenIds, name: str, vocab_size: int) -> tuple[int, ...]:
+def _in_vocabulary(ids: TokenIds, name: str, vocab_size: int) -> list[int]:
     if ids.largest >= vocab_size:
         bad = next(t for t in ids.ids if t >= vocab_size)
         raise _bad(name, f"{name} holds token id {bad}, outside this model's vocabulary [0, {vocab_size})")
-    return tuple(ids.ids)
+    return ids.ids
 
 
 def _max_tokens(
@@ -243,8 +243,8 @@ def _common(
     if fields["top_p"] == 0.0:
         fields["temperature"], fields["top_p"] = 0.0, 1.0
     if request.prefixgate_token_ids is not None:
-        fields["token_ids"] = _in_vocabulary(
-            request.prefixgate_token_ids, "prefixgate_token_ids", model.vocab_size
+        fields["token_ids"] = tuple(
+            _in_vocabulary(request.prefixgate_token_ids, "prefixgate_token_ids", model.vocab_size)
         )
     if request.prefixgate_prefill is not None:
         fields["prefill_url"] = request.prefixgate_prefill.url
@@ -259,8 +259,10 @@ def parse_completion(body: Mapping[str, Any], model: ServedModel) -> GenerationR
     if isinstance(prompt, str):
         fields["prompt"] = prompt
     elif prompt is not None:
+        # Checked even beside the gateway's ids, copied only when they are the prompt.
         ids = _in_vocabulary(prompt, "prompt", model.vocab_size)
-        fields.setdefault("token_ids", ids)
+        if "token_ids" not in fields:
+            fields["token_ids"] = tuple(ids)
     return GenerationRequest(chat=False, logprobs=request.logprobs, **fields)
 
 

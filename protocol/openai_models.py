@@ -128,19 +128,6 @@ def _is_zero(value: Any) -> bool:
     return (_is_int(value) or isinstance(value, float)) and value == 0
 
 
-UNSUPPORTED = (
-    "best_of",
-    "echo",
-    "suffix",
-    "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
-    "tools",
-    "functions",
-    "response_format",
-)
-
-
 class StreamOptions(BaseModel):
     model_config = _STRICT
 
