@@ -38,7 +38,7 @@ from bench.chaos_traffic import (
     family_prompt,
 )
 from bench.local_fleet import Fleet, start_gateway, start_redis, start_worker, wait_healthy
-from bench.probes import get_json, metric, wait_until
+from bench.probes import get_json, metric, wait_for
 from bench.procfs import rss_bytes
 from protocol.loopback_ports import free_port
 from protocol.redis_keys import WORKERS, worker_key
@@ -107,11 +107,13 @@ def replica_killed(workdir: Path) -> ScenarioResult:
             t.wait_for_requests(12)
             workers["k0"].proc.kill()
             killed = time.monotonic()
-            left_s = wait_until(lambda: unhealthy(gateway.url, "k0"), 10, "k0 to leave the rotation")
+            wait_for(lambda: unhealthy(gateway.url, "k0"), "k0 to leave the rotation", timeout=10)
+            left_s = time.monotonic() - killed
             time.sleep(1.0)
             restarted = time.monotonic()
             workers["k0"] = fleet.add(start_worker(workdir, WORKER, "k0", port=ports["k0"]))
-            result.recovered_s = wait_until(lambda: routable(gateway.url, "k0"), 60, "k0 to rejoin")
+            wait_for(lambda: routable(gateway.url, "k0"), "k0 to rejoin", timeout=60)
+            result.recovered_s = time.monotonic() - restarted
             t.wait_for_requests(len(t.outcomes) + 12)
         result.count(t.outcomes)
         result.checks = {
@@ -152,12 +154,15 @@ def redis_down(workdir: Path) -> ScenarioResult:
             server.proc.kill()
             server.proc.wait()
             killed = time.monotonic()
-            seen_s = wait_until(lambda: degraded(True), 10, "the gateways to report degraded")
+            wait_for(lambda: degraded(True), "the gateways to report degraded", timeout=10)
+            seen_s = time.monotonic() - killed
             redis_up = [metric(g.url, "prefixgate_gateway_redis_up") for g in gateways]
             time.sleep(1.5)
             restarted = time.monotonic()
             fleet.add_service(start_redis(workdir / "redis", port))
-            result.recovered_s = wait_until(lambda: degraded(False) and registered(), 15, "Redis to be back")
+            back = time.monotonic()
+            wait_for(lambda: degraded(False) and registered(), "Redis to be back", timeout=15)
+            result.recovered_s = time.monotonic() - back
             t.wait_for_requests(len(t.outcomes) + 20)
         during = t.between(killed, restarted)
         result.count(t.outcomes)
@@ -170,8 +175,10 @@ def redis_down(workdir: Path) -> ScenarioResult:
                 rows.get(rid, {}).get("index_blocks") == n for rows in listed for rid, n in held.items()
             )
 
+        settling = time.monotonic()
         try:
-            exact_s: float | None = wait_until(exact, 10, "every index to match the workers' caches")
+            wait_for(exact, "every index to match the workers' caches", timeout=10)
+            exact_s: float | None = time.monotonic() - settling
         except TimeoutError:
             exact_s = None
         result.checks = {
@@ -215,7 +222,7 @@ def overload(workdir: Path, requests: int = 1000) -> ScenarioResult:
             return probe.status_code == 200
 
         result.count(outcomes)
-        wait_until(whole, 30, "the fleet to serve again")
+        wait_for(whole, "the fleet to serve again", timeout=30)
         result.recovered_s = time.monotonic() - ended
         codes = Counter(o.error for o in outcomes if o.status == 429)
         result.checks = {
@@ -255,7 +262,7 @@ def disconnect_storm(workdir: Path, clients: int = 500) -> ScenarioResult:
             return quiet and metric(gateway.url, "prefixgate_gateway_inflight_requests") == 0
 
         try:
-            wait_until(idle, 10, "every sequence to be aborted")
+            wait_for(idle, "every sequence to be aborted", timeout=10)
             result.recovered_s = time.monotonic() - storm.dropped_at
         except TimeoutError:
             result.recovered_s = None
@@ -300,11 +307,13 @@ def stuck_upstream(workdir: Path) -> ScenarioResult:
             t.wait_for_requests(12)
             workers["s0"].proc.send_signal(signal.SIGSTOP)
             stopped = time.monotonic()
-            down_s = wait_until(lambda: unhealthy(gateway.url, "s0"), 10, "s0 to be marked unhealthy")
+            wait_for(lambda: unhealthy(gateway.url, "s0"), "s0 to be marked unhealthy", timeout=10)
+            down_s = time.monotonic() - stopped
             time.sleep(2.0)
             workers["s0"].proc.send_signal(signal.SIGCONT)
             resumed = time.monotonic()
-            result.recovered_s = wait_until(lambda: routable(gateway.url, "s0"), 10, "s0 to be routable")
+            wait_for(lambda: routable(gateway.url, "s0"), "s0 to be routable", timeout=10)
+            result.recovered_s = time.monotonic() - resumed
             t.wait_for_requests(len(t.outcomes) + 12)
         result.count(t.outcomes)
         bound = FAST_HEALTH["failures"] * (FAST_HEALTH["interval_s"] + FAST_HEALTH["timeout_s"])

@@ -18,7 +18,7 @@ import aiohttp
 import httpx
 
 from bench.chaos_fleet import MODEL
-from bench.probes import wait_until
+from bench.probes import wait_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +129,7 @@ class Traffic:
         return [o for o in list(self.outcomes) if start <= o.start < end]
 
     def wait_for_requests(self, count: int, timeout_s: float = 30.0) -> None:
-        wait_until(lambda: len(self.outcomes) >= count, timeout_s, f"{count} requests")
+        wait_for(lambda: len(self.outcomes) >= count, f"{count} requests", timeout=timeout_s)
 
 
 async def burst(

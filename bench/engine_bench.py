@@ -66,7 +66,7 @@ def workload(
     return requests
 
 
-def wait_until(start: float, offset: float) -> None:
+def sleep_until(start: float, offset: float) -> None:
     delay = start + offset - time.perf_counter()
     if delay > 0:
         time.sleep(delay)
@@ -97,7 +97,7 @@ def run_engine(
                 )
                 arrival[rid] = r.arrival_s
             if not engine.has_work():
-                wait_until(start, pending[0].arrival_s)
+                sleep_until(start, pending[0].arrival_s)
                 continue
             outputs = engine.step()
             t = time.perf_counter() - start
@@ -142,7 +142,7 @@ def run_hf_static(model: Any, requests: list[Request], batch_size: int, pad_id: 
     produced = 0
     batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
     for batch in tqdm(batches, desc="HF static", leave=False):
-        wait_until(start, batch[-1].arrival_s)
+        sleep_until(start, batch[-1].arrival_s)
         width = max(len(r.prompt) for r in batch)
         ids = torch.tensor([[pad_id] * (width - len(r.prompt)) + r.prompt for r in batch])
         mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
@@ -192,7 +192,7 @@ def run_hf_continuous(
     arrival = {}
     try:
         for i, r in enumerate(requests):
-            wait_until(start, r.arrival_s)
+            sleep_until(start, r.arrival_s)
             rid = manager.add_request(
                 r.prompt,
                 request_id=f"r{i}",

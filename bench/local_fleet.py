@@ -5,13 +5,14 @@ Separate processes because the load generator, the workers and the gateway must 
 interpreter lock: in one process each would queue behind the others' Python and the measurement
 would be of the lock. Started from the CLI because that is what an operator runs. Every process is
 stopped on the way out (SIGINT, then SIGKILL), errors included; each writes to a log file in the
-work folder, whose tail is shown when a process fails to start. Every process gets the same KV
-transfer secret in its environment (`transfer_secret`), so prefill and decode workers pair up, and a
-benchmark can sign a pairing itself.
+work folder, whose tail is shown when a process fails to start (`prefixgate up`'s workers write to
+the terminal instead). Every process gets the same KV transfer secret in its environment
+(`transfer_secret`), so prefill and decode workers pair up, and a benchmark can sign a pairing itself.
 
 The one harness for local fleets: `local_fleet` starts a whole one (workers and a gateway); `Fleet`
 holds processes started one by one (`start_worker`, `start_gateway`, `start_redis`), as the chaos
-scenarios, the soak and the fault tests build theirs; `wait_healthy` is what ready means for all.
+scenarios, the soak and the fault tests build theirs; `wait_healthy` is what ready means for all;
+`prefixgate up` starts its workers with `spawn` and stops them with `stop`.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any, Literal
 import httpx
 import yaml
 
-from bench.probes import wait_until
+from bench.probes import wait_for
 from protocol.loopback_ports import free_port
 from protocol.transfer_auth import SECRET_ENV
 from workers.sim.profiles import get_profile
@@ -66,22 +67,29 @@ class SimWorkers:
 
 @dataclass(slots=True)
 class Child:
-    """One started process and the base URL it serves."""
+    """One started process and the base URL it serves; `log` None: its output went to this process's."""
 
     name: str
     url: str
     proc: subprocess.Popen[bytes]
-    log: Path
+    log: Path | None
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def log_tail(self) -> str:
+        if self.log is None:
+            return ""
         try:
             return self.log.read_text(errors="replace")[-LOG_TAIL_CHARS:]
         except OSError:
             return ""
+
+    def failure(self, what: str) -> str:
+        """`what` happened to this child, followed by the tail of its log when there is one to show."""
+        tail = self.log_tail()
+        return f"{self.name} {what}:\n{tail}" if tail else f"{self.name} {what}"
 
 
 @dataclass(slots=True)
@@ -133,12 +141,30 @@ def transfer_secret() -> str:
     return os.environ.get(SECRET_ENV) or secrets.token_hex(32)
 
 
-def spawn(name: str, command: list[str], url: str, workdir: Path) -> Child:
-    log = workdir / f"{name}.log"
+def spawn(
+    name: str,
+    command: list[str],
+    url: str,
+    workdir: Path | None,
+    *,
+    pass_fds: Sequence[int] = (),
+    new_session: bool = False,
+) -> Child:
+    """`command` started as `name`, its output in `name`.log in `workdir`, or, with no `workdir`, on
+    this process's own (a terminal an operator watches). `pass_fds`: descriptors it inherits (a
+    listening socket its parent bound); `new_session`: a session of its own, which a terminal's
+    Ctrl-C does not reach, so that the parent alone decides when and how often it is signalled."""
     env = {**os.environ, SECRET_ENV: transfer_secret()}
-    with log.open("wb") as out:
+    log = workdir / f"{name}.log" if workdir is not None else None
+    with log.open("wb") if log is not None else contextlib.nullcontext() as out:
         proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT if log is not None else None,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            pass_fds=pass_fds,
+            start_new_session=new_session,
         )
     return Child(name, url, proc, log)
 
@@ -217,19 +243,16 @@ def wait_healthy(
         for child in children:
             if child.proc.poll() is not None:
                 raise RuntimeError(
-                    f"{child.name} exited with status {child.proc.returncode} while starting:\n"
-                    f"{child.log_tail()}"
+                    child.failure(f"exited with status {child.proc.returncode} while starting")
                 )
         waiting[:] = [c for c in waiting if not ready(c)]
         return not waiting
 
     try:
-        wait_until(up, timeout_s, "the fleet to start", poll_s)
+        wait_for(up, "the fleet to start", timeout=timeout_s, interval=poll_s)
     except TimeoutError as error:
         child = waiting[0]
-        raise RuntimeError(
-            f"{child.name} at {child.url} not ready in {timeout_s:.0f} s:\n{child.log_tail()}"
-        ) from error
+        raise RuntimeError(child.failure(f"at {child.url} not ready in {timeout_s:.0f} s")) from error
 
 
 def start_redis(workdir: Path, port: int | None = None, timeout_s: float = REDIS_START_TIMEOUT_S) -> Child:

@@ -1,27 +1,42 @@
-"""Asking a running process how it is, over HTTP, and polling until it says what a caller waits for:
-the questions every local fleet (bench.local_fleet), chaos scenario and fault test puts to its
-children, answered the same way everywhere."""
+"""Asking a running process how it is, over HTTP, and polling until something holds: local fleets
+(bench.local_fleet), chaos scenarios and tests all wait the same way, with one argument order (the
+condition, what it means, then the timeout and interval) and a failure that names what never
+happened."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
-# How often a condition is polled by default: finer than any recovery time worth reporting.
-POLL_S = 0.05
+T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], Any], timeout_s: float, what: str, poll_s: float = POLL_S) -> float:
-    """Poll `condition` until it is true; the seconds that took, or TimeoutError naming `what`."""
-    start = time.monotonic()
-    while not condition():
-        if time.monotonic() - start > timeout_s:
-            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(poll_s)
-    return time.monotonic() - start
+def wait_for(condition: Callable[[], T], what: str, *, timeout: float = 10.0, interval: float = 0.02) -> T:
+    """Call `condition` every `interval` seconds until it returns something true, and return that; or
+    TimeoutError naming `what` (the awaited event, "the worker to be idle") after `timeout` seconds.
+    A caller that reports how long a wait took measures from its own start (a kill, a restart)."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+    return value
+
+
+async def wait_for_async(
+    condition: Callable[[], T], what: str, *, timeout: float = 10.0, interval: float = 0.02
+) -> T:
+    """`wait_for` inside a coroutine: the event loop runs (its tasks make progress) between calls."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(interval)
+    return value
 
 
 def get_json(url: str, timeout_s: float = 1.0) -> Any:

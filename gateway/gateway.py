@@ -1,8 +1,8 @@
-"""The gateway's live state and its background work: replicas joining and leaving, health, load,
-the index kept in sync, and config reloads.
+"""The gateway's lifecycle: the background work that keeps what requests read (gateway.gateway_state)
+true — replicas joining and leaving, health, load, the index kept in sync, and config reloads.
 
 Everything here runs on one asyncio loop, which is what makes the index, the replica set and the
-policy safe to share without locks. Replicas come from three places — the YAML list, the Redis
+policy safe to share with requests without locks. Replicas come from three places — the YAML list, the Redis
 registry and the admin API — and all go through `activate` and `deactivate`, so the index, the KV
 sync and the metrics always agree on who exists.
 """
@@ -14,7 +14,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 
 import aiohttp
 from redis.asyncio import Redis
@@ -22,81 +21,43 @@ from redis.exceptions import RedisError
 
 from gateway.fleet.discovery import Probe, ProbeFailed, fetch_load, probe, read_registry
 from gateway.fleet.predictions import Predictions
-from gateway.fleet.replicas import Replica, ReplicaSet, Source
+from gateway.fleet.replicas import Replica, Source
 from gateway.fleet.response_owners import ResponseOwners
-from gateway.forward.tokenizers import Tokenizers
 from gateway.forward.upstream_client import UpstreamClient
 from gateway.gateway_config import GatewayConfig, ReplicaEntry
-from gateway.gateway_metrics import GatewayMetrics
+from gateway.gateway_state import GatewayState, tokenizers_of
 from gateway.sync.bundled_events import IndexSync
 from gateway.sync.zmq_events import ZmqSource, ZmqSync
-from policies import Policy, PrefillDecode, build_pd, build_policy
-from policies.least_load import LeastLoad
 from protocol.cancellation import check_cancelled
 from protocol.redis_client import connect
-from radix import RadixIndex
 from radix.capacity import capacity_prior
 
 log = logging.getLogger("prefixgate.gateway")
 
-# Predicted and exact entries together stay under this many (hash, replica) pairs.
-INDEX_MAX_ENTRIES = 4_000_000
 REDIS_TIMEOUT_S = 5.0
 
 
-@dataclass
 class Gateway:
-    config: GatewayConfig
-    gateway_id: str
-    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
-    replicas: ReplicaSet = field(default_factory=ReplicaSet)
-    index: RadixIndex = field(default_factory=lambda: RadixIndex(INDEX_MAX_ENTRIES))
-    # Static and admin-added entries not yet answering (probed every health interval).
-    pending: dict[str, tuple[ReplicaEntry, Source]] = field(default_factory=dict)
-    policy: Policy = field(init=False)
-    # Models served by prefill and decode replicas are routed in pairs (policies.pd).
-    pd: PrefillDecode = field(init=False)
-    # Routes with no prompt to match (embeddings, scoring, any other /v1 route) go by load.
-    by_load: Policy = field(default_factory=LeastLoad)
-    session: aiohttp.ClientSession = field(init=False)
-    # The forward path's own client (gateway/forward/upstream.py); `session` serves everything else.
-    upstream: UpstreamClient = field(init=False)
-    redis: Redis | None = field(init=False, default=None)
-    sync: IndexSync = field(init=False)
-    # Replicas configured with `kv_events`: their vLLM-format KV events followed over ZMQ.
-    zmq_sync: ZmqSync = field(init=False)
-    predictions: Predictions = field(init=False)
-    response_owners: ResponseOwners = field(init=False)
-    tokenizers: Tokenizers = field(init=False)
-    # Whether the last registry read reached Redis (None: no Redis configured).
-    redis_ok: bool | None = None
-    # Generation requests in the gateway now, from arrival to the end of the response (app.py).
-    inflight: int = 0
-    # Registry replicas missing from the last registry reads, and since when (monotonic).
-    _unlisted: dict[str, float] = field(default_factory=dict)
-    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    """The lifecycle around a GatewayState: what requests read (`state`), and what keeps it true."""
 
-    def __post_init__(self) -> None:
-        self.policy = build_policy(self.config.routing)
-        self.pd = build_pd(self.config.routing)
-        self.tokenizers = _tokenizers(self.config)
-
-    @property
-    def approximate_everywhere(self) -> bool:
-        """`prefix_aware.mode: approximate` predicts every replica's cache, even bundled ones'."""
-        return self.config.routing.prefix_aware.mode == "approximate"
-
-    def precise(self, replica: Replica) -> bool:
-        """Whether the replica's index entries are exact, from its KV events: a bundled worker's, or
-        any replica's followed over ZMQ; otherwise they are predictions."""
-        if self.approximate_everywhere:
-            return False
-        return replica.kind == "bundled" or self.zmq_sync.follows(replica.id)
-
-    # -- lifecycle ----------------------------------------------------------------------------
+    def __init__(self, config: GatewayConfig, gateway_id: str) -> None:
+        self.state = GatewayState(config, gateway_id)
+        # Static and admin-added entries not yet answering (probed every health interval).
+        self.pending: dict[str, tuple[ReplicaEntry, Source]] = {}
+        # Health checks, load reads and the KV followers' own HTTP; requests go by `state.upstream`.
+        self.session: aiohttp.ClientSession
+        self.redis: Redis | None = None
+        self.sync: IndexSync
+        # Replicas configured with `kv_events`: their vLLM-format KV events followed over ZMQ.
+        self.zmq_sync: ZmqSync
+        # Whether the last registry read reached Redis (None: no Redis configured).
+        self.redis_ok: bool | None = None
+        # Registry replicas missing from the last registry reads, and since when (monotonic).
+        self._unlisted: dict[str, float] = {}
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        limits = self.config.limits
+        limits = self.state.config.limits
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=limits.connect_timeout_s),
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
@@ -105,37 +66,37 @@ class Gateway:
             # with every other client's requests.
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        self.upstream = UpstreamClient()
-        if self.config.redis is not None:
+        self.state.upstream = UpstreamClient()
+        if self.state.config.redis is not None:
             # The workers' fail-fast client: a read on a dead or restarted server errors out (and the
             # follower backs off) instead of waiting forever; above XREAD's block time.
-            self.redis = connect(self.config.redis.url, REDIS_TIMEOUT_S, decode_responses=True)
+            self.redis = connect(self.state.config.redis.url, REDIS_TIMEOUT_S, decode_responses=True)
             self.redis_ok = False
-        rejections = self.metrics.rejections
-        self.sync = IndexSync(self.index, self.session, self.redis, rejections=rejections)
-        self.zmq_sync = ZmqSync(self.index, rejections=rejections)
-        self.predictions = Predictions(
-            self.index,
-            ttl_s=self.config.approximate.ttl_s,
+        rejections = self.state.metrics.rejections
+        self.sync = IndexSync(self.state.index, self.session, self.redis, rejections=rejections)
+        self.zmq_sync = ZmqSync(self.state.index, rejections=rejections)
+        self.state.predictions = Predictions(
+            self.state.index,
+            ttl_s=self.state.config.approximate.ttl_s,
             redis=self.redis,
-            gateway_id=self.gateway_id,
+            gateway_id=self.state.gateway_id,
             rejections=rejections,
         )
-        self.predictions.start()
-        responses = self.config.responses
-        self.response_owners = ResponseOwners(
+        self.state.predictions.start()
+        responses = self.state.config.responses
+        self.state.response_owners = ResponseOwners(
             ttl_s=responses.ttl_s, max_entries=responses.max_entries, redis=self.redis
         )
-        for entry in self.config.replicas:
+        for entry in self.state.config.replicas:
             self.pending[entry.url] = (entry, "config")
         await self._probe_pending()
         # Ready means ready: every model known now can be tokenized before the first request comes.
-        await self.tokenizers.load(self.known_models())
-        self._spawn(self._health_loop, self.config.health.interval_s)
+        await self.state.tokenizers.load(self.known_models())
+        self._spawn(self._health_loop, self.state.config.health.interval_s)
         if self.redis is not None:
-            self._spawn(self._registry_loop, self.config.redis.poll_interval_s)
+            self._spawn(self._registry_loop, self.state.config.redis.poll_interval_s)
         else:
-            self._spawn(self._load_loop, self.config.health.load_interval_s)
+            self._spawn(self._load_loop, self.state.config.health.load_interval_s)
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -143,12 +104,12 @@ class Gateway:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.sync.close()
         await self.zmq_sync.close()
-        await self.predictions.close()
+        await self.state.predictions.close()
         await self.session.close()
-        self.upstream.close()
+        self.state.upstream.close()
         if self.redis is not None:
             await self.redis.aclose()
-        self.tokenizers.close()
+        self.state.tokenizers.close()
 
     def _spawn(self, step: Callable[[], Awaitable[None]], period_s: float) -> None:
         async def loop() -> None:
@@ -165,6 +126,11 @@ class Gateway:
     # -- replicas -----------------------------------------------------------------------------
 
     def activate(self, found: Probe, source: Source) -> Replica:
+        config = self.state.config
+        approximate = self.state.approximate_everywhere
+        # Configured KV events are followed whatever the kind: the operator named them.
+        events = None if approximate else found.kv_events
+        precise = events is not None or (found.kind == "bundled" and not approximate)
         replica = Replica(
             id=found.id,
             url=found.url,
@@ -174,24 +140,23 @@ class Gateway:
             capacity_blocks=found.capacity_blocks,
             max_context_len=found.max_context_len,
             source=source,
-            prefill_rate=self.config.learning.prefill_rate_prior,
+            prefill_rate=config.learning.prefill_rate_prior,
             max_waiting=found.max_waiting,
             incarnation=found.incarnation,
             role=found.role,
             pd_protocol=found.pd_protocol,
             bootstrap_port=found.bootstrap_port,
+            precise=precise,
         )
-        self.replicas.add(replica)
-        self.tokenizers.ensure(replica.model)
-        # Configured KV events are followed whatever the kind: the operator named them.
-        events = None if self.approximate_everywhere else found.kv_events
-        precise = events is not None or self.precise(replica)
+        self.state.replicas.add(replica)
+        self.state.tokenizers.ensure(replica.model)
         # A predicted replica's capacity is learned; a foreign backend's configured one is a guess.
         prior = None if precise else capacity_prior(replica.capacity_blocks, guessed=replica.kind == "openai")
-        self.index.add_replica(replica.id, capacity_blocks=prior, learn=not precise)
+        self.state.index.add_replica(replica.id, capacity_blocks=prior, learn=not precise)
         if events is not None:
-            source = ZmqSource(events, found.kv_events_replay)
-            self.zmq_sync.start(replica.id, replica.model, replica.block_size, source)
+            self.zmq_sync.start(
+                replica.id, replica.model, replica.block_size, ZmqSource(events, found.kv_events_replay)
+            )
         elif precise:
             self.sync.start(replica.id, replica.url)
         log.info(
@@ -206,26 +171,26 @@ class Gateway:
         return replica
 
     async def deactivate(self, replica_id: str) -> Replica | None:
-        replica = self.replicas.remove(replica_id)
+        replica = self.state.replicas.remove(replica_id)
         if replica is None:
             return None
         self.sync.stop(replica_id)
         self.zmq_sync.stop(replica_id)
-        self.index.drop_replica(replica_id)
-        self.metrics.forget_replica(replica_id, replica.model)
+        self.state.index.drop_replica(replica_id)
+        self.state.metrics.forget_replica(replica_id, replica.model)
         log.info("replica %s left", replica_id)
         return replica
 
     async def add_entry(self, entry: ReplicaEntry, source: Source) -> Replica | None:
         """Probe a replica and activate it; if it does not answer yet, keep probing it."""
         try:
-            found = await probe(self.session, entry, self.config.health.timeout_s)
+            found = await probe(self.session, entry, self.state.config.health.timeout_s)
         except ProbeFailed as error:
             log.warning("replica %s is not answering yet: %s", entry.url, error)
             self.pending[entry.url] = (entry, source)
             return None
         self.pending.pop(entry.url, None)
-        existing = self.replicas.get(found.id) or self.replicas.by_url(found.url)
+        existing = self.state.replicas.get(found.id) or self.state.replicas.by_url(found.url)
         if existing is not None:
             return existing
         _check_announced(entry, found)
@@ -234,25 +199,18 @@ class Gateway:
     async def _probe_pending(self) -> None:
         await asyncio.gather(*(self.add_entry(entry, src) for entry, src in list(self.pending.values())))
 
-    def mark_failure(self, replica: Replica) -> None:
-        replica.failures += 1
-        if replica.failures >= self.config.health.failures and replica.healthy:
-            replica.healthy = False
-            replica.down_since = time.monotonic()
-            log.warning("replica %s is unhealthy after %d failures", replica.id, replica.failures)
-
     async def _check(self, replica: Replica) -> None:
         entry = ReplicaEntry(url=replica.url, id=replica.id, kind=replica.kind, model=replica.model)
         try:
-            found = await probe(self.session, entry, self.config.health.timeout_s)
+            found = await probe(self.session, entry, self.state.config.health.timeout_s)
         except ProbeFailed:
-            self.mark_failure(replica)
+            self.state.mark_failure(replica)
             return
         followed = self.sync.states.get(replica.id)
         if followed is not None and followed.incarnation not in (None, found.incarnation):
             # A restarted worker lost its cache: forget it now, before the replica is routable again,
             # rather than when its KV follower notices the new incarnation.
-            self.index.clear(replica.id)
+            self.state.index.clear(replica.id)
             log.info("replica %s restarted (incarnation %s)", replica.id, found.incarnation)
         if not replica.healthy:
             log.info("replica %s is healthy again", replica.id)
@@ -267,20 +225,22 @@ class Gateway:
             replica.role = found.role
 
     async def _health_loop(self) -> None:
-        await asyncio.gather(self._probe_pending(), *(self._check(r) for r in self.replicas.all()))
+        await asyncio.gather(self._probe_pending(), *(self._check(r) for r in self.state.replicas.all()))
 
     async def _load_loop(self) -> None:
+        timeout_s = self.state.config.health.timeout_s
+
         async def one(replica: Replica) -> None:
             # A silent replica keeps its last report: the health check decides what silence means.
             with contextlib.suppress(ProbeFailed):
-                replica.report = await fetch_load(self.session, replica.url, self.config.health.timeout_s)
+                replica.report = await fetch_load(self.session, replica.url, timeout_s)
 
-        await asyncio.gather(*(one(r) for r in self.replicas.all() if r.kind == "bundled"))
+        await asyncio.gather(*(one(r) for r in self.state.replicas.all() if r.kind == "bundled"))
 
     async def _registry_loop(self) -> None:
         assert self.redis is not None
         try:
-            registered = await read_registry(self.redis, self.metrics.rejections)
+            registered = await read_registry(self.redis, self.state.metrics.rejections)
         except RedisError as error:
             # Keep routing on what is known; the KV followers and predictions back off on their own.
             if self.redis_ok:
@@ -296,16 +256,16 @@ class Gateway:
         live = set()
         for item in registered:
             live.add(item.probe.id)
-            replica = self.replicas.get(item.probe.id) or self.replicas.by_url(item.probe.url)
+            replica = self.state.replicas.get(item.probe.id) or self.state.replicas.by_url(item.probe.url)
             if replica is None:
                 replica = self.activate(item.probe, "registry")
             if item.load is not None and item.load.at > replica.report.at:
                 replica.report = item.load
         now = time.monotonic()
-        grace = self.config.redis.registry_grace_s if self.config.redis is not None else 0.0
-        for rid in [rid for rid in self._unlisted if rid in live or rid not in self.replicas]:
+        grace = self.state.config.redis.registry_grace_s if self.state.config.redis is not None else 0.0
+        for rid in [rid for rid in self._unlisted if rid in live or rid not in self.state.replicas]:
             del self._unlisted[rid]
-        for replica in self.replicas.all():
+        for replica in self.state.replicas.all():
             if replica.source != "registry" or replica.id in live:
                 continue
             # Unlisted: it left (deregistered, or its heartbeat expired), or Redis lost the registry.
@@ -317,52 +277,49 @@ class Gateway:
     async def reload(self, config: GatewayConfig) -> None:
         """Apply a new config without dropping requests in flight: they hold their replica objects,
         and removed replicas only stop receiving new requests."""
-        tokenizers = _tokenizers(config)
-        self.config = config
-        self.policy = build_policy(config.routing)
-        self.pd = build_pd(config.routing)
+        tokenizers = tokenizers_of(config)
+        self.state.configure(config)
         await tokenizers.load(self.known_models())
-        self.tokenizers.close()
-        self.tokenizers = tokenizers
+        self.state.tokenizers.close()
+        self.state.tokenizers = tokenizers
         urls = {e.url for e in config.replicas}
-        for replica in self.replicas.all():
+        for replica in self.state.replicas.all():
             if replica.source == "config" and replica.url not in urls:
                 await self.deactivate(replica.id)
         for url, (_, source) in list(self.pending.items()):
             if source == "config" and url not in urls:
                 del self.pending[url]
         for entry in config.replicas:
-            if self.replicas.by_url(entry.url) is None:
+            if self.state.replicas.by_url(entry.url) is None:
                 self.pending[entry.url] = (entry, "config")
         await self._probe_pending()
-        log.info("configuration reloaded: %d replicas, policy %s", len(self.replicas), self.policy.name)
+        log.info(
+            "configuration reloaded: %d replicas, policy %s", len(self.state.replicas), self.state.policy.name
+        )
 
     def known_models(self) -> list[str]:
         """The models configured or served by a replica known now."""
-        named = set(self.config.models) | set(self.replicas.models())
-        if self.config.model is not None:
-            named.add(self.config.model)
+        named = set(self.state.config.models) | set(self.state.replicas.models())
+        if self.state.config.model is not None:
+            named.add(self.state.config.model)
         return sorted(named)
 
     def refresh_metrics(self) -> None:
-        m = self.metrics
-        m.index_entries.set(len(self.index))
-        m.inflight.set(self.inflight)
+        m = self.state.metrics
+        m.index_entries.set(len(self.state.index))
+        m.inflight.set(self.state.inflight)
         if self.redis_ok is not None:
             m.redis_up.set(1 if self.redis_ok else 0)
-        for r in self.replicas.all():
+        for r in self.state.replicas.all():
             m.replica_healthy.labels(r.id, r.model).set(1 if r.routable else 0)
             m.replica_inflight.labels(r.id).set(len(r.inflight))
             m.replica_prefill_rate.labels(r.id).set(r.prefill_rate)
-            capacity = self.index.capacity_of(r.id) if r.id in self.index.replicas else None
+            capacity = self.state.index.capacity_of(r.id) if r.id in self.state.index.replicas else None
             if capacity is not None:
                 m.replica_capacity.labels(r.id).set(capacity)
         for rid, state in (self.sync.states | self.zmq_sync.states).items():
             m.sync_lag.labels(rid).set(state.lag_s())
             m.sync_resyncs.labels(rid).set(state.resyncs)
-
-    def now(self) -> float:
-        return time.monotonic()
 
 
 def _check_announced(entry: ReplicaEntry, found: Probe) -> None:
@@ -386,7 +343,3 @@ def _check_announced(entry: ReplicaEntry, found: Probe) -> None:
             entry.url,
             entry.pd_protocol,
         )
-
-
-def _tokenizers(config: GatewayConfig) -> Tokenizers:
-    return Tokenizers({name: m.tokenizer for name, m in config.models.items()})

@@ -8,6 +8,9 @@ With `--prefill N` the first N workers are prefill workers and the rest decode w
 request's prompt is computed on a prefill worker and its KV moved to the decode worker that answers;
 the pairs authenticate with a transfer secret `up` makes for the fleet (or the one already in
 $PREFIXGATE_TRANSFER_SECRET), which the workers inherit and the gateway reads from there.
+
+The workers are started, awaited and stopped by the local fleet harness (bench.local_fleet), with
+their output on this terminal.
 """
 
 from __future__ import annotations
@@ -16,23 +19,19 @@ import argparse
 import asyncio
 import contextlib
 import os
-import secrets
 import signal
 import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-import httpx
 from aiohttp import web
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from bench.local_fleet import Child, cli, spawn, stop, transfer_secret, wait_healthy
 from gateway.gateway_config import GatewayConfig, parse_config
 from gateway.http.app import create_app
-from gateway.http.keys import GATEWAY
+from gateway.http.keys import STATE
 from protocol.disaggregation import TRANSFERRED_TOKENS_HEADER
 from protocol.transfer_auth import SECRET_ENV
 
@@ -44,6 +43,8 @@ SYSTEM_PROMPT = (
     "politely, and never invent prices or services that are not listed here."
 )
 QUESTIONS = ("When are you open?", "How much does a standard service cost?")
+# A SmolLM2 worker's graceful stop (its server's, then its engine's) is given this long before SIGKILL.
+STOP_TIMEOUT_S = 15.0
 
 console = Console()
 
@@ -64,23 +65,6 @@ def _bound_port(sock: socket.socket) -> int:
     return int(sock.getsockname()[1])
 
 
-@dataclass
-class Fleet:
-    workers: list[subprocess.Popen[bytes]]
-    urls: list[str]
-
-    def stop(self) -> None:
-        for proc in self.workers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 15
-        for proc in self.workers:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
 def _role(args: argparse.Namespace, index: int) -> str:
     if not args.prefill:
         return "mixed"
@@ -89,10 +73,7 @@ def _role(args: argparse.Namespace, index: int) -> str:
 
 def _worker_command(args: argparse.Namespace, index: int, sock: socket.socket) -> list[str]:
     threads = max(1, (os.cpu_count() or 1) // args.workers)
-    command = [
-        sys.executable,
-        "-m",
-        "prefixgate",
+    command = cli(
         "worker",
         "--port",
         str(_bound_port(sock)),
@@ -106,7 +87,7 @@ def _worker_command(args: argparse.Namespace, index: int, sock: socket.socket) -
         str(threads),
         "--log-level",
         "WARNING",
-    ]
+    )
     if args.model:
         command += ["--model", args.model]
     if args.redis:
@@ -114,32 +95,14 @@ def _worker_command(args: argparse.Namespace, index: int, sock: socket.socket) -
     return command
 
 
-def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    waiting = set(urls)
-    while waiting:
-        for proc in procs:
-            if proc.poll() is not None:
-                raise SystemExit(
-                    f"prefixgate up: a worker exited with status {proc.returncode} during start-up"
-                )
-        for url in list(waiting):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    waiting.discard(url)
-        if time.monotonic() > deadline:
-            raise SystemExit(
-                f"prefixgate up: workers at {sorted(waiting)} did not start in {timeout_s:.0f} s"
-            )
-        time.sleep(0.25)
-
-
 @contextlib.contextmanager
-def start_fleet(args: argparse.Namespace, progress: Progress) -> Iterator[Fleet]:
+def start_fleet(args: argparse.Namespace, progress: Progress) -> Iterator[list[Child]]:
+    """The workers, each serving on a socket bound here, answering /health when this yields; stopped
+    (SIGINT once each, SIGKILL past STOP_TIMEOUT_S) on the way out."""
     socks = [listen("127.0.0.1", args.worker_port and args.worker_port + i) for i in range(args.workers)]
     step = progress.add_task("preparing the model (converted once to ~/.cache/prefixgate)", total=None)
     # Once, before the workers start, so that they do not all convert it at the same time.
-    prepare = [sys.executable, "-m", "prefixgate", "worker", "--prepare", "--log-level", "WARNING"]
+    prepare = cli("worker", "--prepare", "--log-level", "WARNING")
     done = subprocess.run(prepare + (["--model", args.model] if args.model else []))
     if done.returncode != 0:
         raise SystemExit(f"prefixgate up: preparing the model failed (status {done.returncode})")
@@ -147,27 +110,27 @@ def start_fleet(args: argparse.Namespace, progress: Progress) -> Iterator[Fleet]
     # Each worker in a session of its own: a terminal's Ctrl-C reaches this process alone, which stops
     # the gateway first and then each worker once (a second SIGINT during a worker's own shutdown
     # would interrupt its exit handlers, and workers gone before the gateway make it log failures).
-    fleet = Fleet(
-        [
-            subprocess.Popen(
-                _worker_command(args, i, sock), pass_fds=(sock.fileno(),), start_new_session=True
-            )
-            for i, sock in enumerate(socks)
-        ],
-        [f"http://127.0.0.1:{_bound_port(sock)}" for sock in socks],
-    )
-    # The workers hold their sockets now; this process's copies would only keep the ports open.
-    for sock in socks:
-        sock.close()
+    workers: list[Child] = []
     try:
+        for i, sock in enumerate(socks):
+            url = f"http://127.0.0.1:{_bound_port(sock)}"
+            command = _worker_command(args, i, sock)
+            workers.append(
+                spawn(f"worker-{i}", command, url, None, pass_fds=(sock.fileno(),), new_session=True)
+            )
+        # The workers hold their sockets now; this process's copies would only keep the ports open.
+        for sock in socks:
+            sock.close()
         step = progress.add_task(f"starting {args.workers} workers", total=None)
-        _wait_healthy(fleet.urls, fleet.workers, args.start_timeout)
-        progress.update(
-            step, description=f"{args.workers} workers up: {', '.join(fleet.urls)}", completed=1, total=1
-        )
-        yield fleet
+        try:
+            wait_healthy(workers, args.start_timeout)
+        except RuntimeError as error:
+            raise SystemExit(f"prefixgate up: {error}") from None
+        urls = ", ".join(w.url for w in workers)
+        progress.update(step, description=f"{args.workers} workers up: {urls}", completed=1, total=1)
+        yield workers
     finally:
-        fleet.stop()
+        stop(workers, STOP_TIMEOUT_S)
 
 
 def gateway_config(args: argparse.Namespace, urls: list[str]) -> GatewayConfig:
@@ -236,14 +199,14 @@ async def _serve(
     base = f"http://{args.host}:{_bound_port(sock)}"
     # Installed before anything is shown, so that no Ctrl-C falls between the banner and the handler
     # (asyncio's own would cancel the task mid-await); one during the first requests stops after them.
-    stop = asyncio.Event()
+    stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stopping.set)
     try:
         step = progress.add_task("gateway: discovering replicas", total=None)
-        gw = app[GATEWAY]
-        while len(gw.replicas) < len(urls):
+        state = app[STATE]
+        while len(state.replicas) < len(urls):
             await asyncio.sleep(0.1)
         progress.update(step, description=f"gateway up at {base}", completed=1, total=1)
         progress.stop()
@@ -251,7 +214,7 @@ async def _serve(
         if args.once:
             return shown
         console.print(f"\nServing at {base}/v1 (OpenAI API). Ctrl-C stops the fleet.")
-        await stop.wait()
+        await stopping.wait()
         return shown
     finally:
         await runner.cleanup()
@@ -278,27 +241,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def share_transfer_secret() -> None:
-    """A fresh secret for this fleet's KV transfers, unless the environment holds one: the workers
-    inherit it, and the gateway (auth.transfer_secret_env's default) reads it, from this process's
-    environment, never from a command line others can list."""
-    if not os.environ.get(SECRET_ENV):
-        os.environ[SECRET_ENV] = secrets.token_hex(32)
+    """The fleet's KV transfer secret (the environment's, or a fresh one: bench.local_fleet's, which
+    `spawn` gives the workers) in this process's environment too, where the gateway
+    (auth.transfer_secret_env's default) reads it: never on a command line others can list."""
+    os.environ[SECRET_ENV] = transfer_secret()
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.prefill < args.workers:
         console.print(f"prefixgate up: --prefill must be in [0, --workers), got {args.prefill}")
         return 2
-    if args.prefill:
-        share_transfer_secret()
+    share_transfer_secret()
     gateway_sock = listen(args.host, args.port)
     with (
         Progress(
             SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console
         ) as progress,
-        start_fleet(args, progress) as fleet,
+        start_fleet(args, progress) as workers,
     ):
-        shown = asyncio.run(_serve(args, gateway_sock, fleet.urls, progress))
+        shown = asyncio.run(_serve(args, gateway_sock, [w.url for w in workers], progress))
     hit = shown[-1]
     if hit["cached_tokens"] and hit["replica"] == shown[0]["replica"]:
         console.print(

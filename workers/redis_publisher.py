@@ -25,6 +25,7 @@ from aiohttp import web
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from protocol.backoff import Backoff
 from protocol.cancellation import check_cancelled
 from protocol.kv_events import EventBatch
 from protocol.redis_client import connect
@@ -78,28 +79,17 @@ class PublisherConfig:
         return max(1.0, 5 * self.load_period_s)
 
 
-class Backoff:
-    """Retry delays for one background task, and one log line per outage rather than per attempt."""
+def _failed(what: str, backoff: Backoff, error: BaseException) -> float:
+    """The delay before a background task's next attempt; one log line per outage, not per attempt."""
+    if not backoff.failing:
+        log.warning("redis: %s failed (%s); retrying with backoff", what, str(error) or type(error).__name__)
+    return backoff.failed()
 
-    def __init__(self, what: str, first_s: float, most_s: float) -> None:
-        self.what = what
-        self.first_s = first_s
-        self.most_s = most_s
-        self._delay = 0.0
 
-    def failed(self, error: BaseException) -> float:
-        """The delay before the next attempt."""
-        if self._delay == 0.0:
-            log.warning(
-                "redis: %s failed (%s); retrying with backoff", self.what, str(error) or type(error).__name__
-            )
-        self._delay = min(self.most_s, max(self.first_s, 2 * self._delay))
-        return self._delay
-
-    def succeeded(self) -> None:
-        if self._delay:
-            log.info("redis: %s works again", self.what)
-        self._delay = 0.0
+def _succeeded(what: str, backoff: Backoff) -> None:
+    if backoff.failing:
+        log.info("redis: %s works again", what)
+    backoff.succeeded()
 
 
 class RedisPublisher:
@@ -130,15 +120,14 @@ class RedisPublisher:
             "incarnation": self.runtime.worker.events.incarnation,
         }
 
-    def _backoff(self, what: str) -> Backoff:
+    def _backoff(self) -> Backoff:
         """Retries at most a heartbeat apart, so that a Redis that returns sees the worker again soon."""
-        return Backoff(what, first_s=min(0.1, self.config.heartbeat_s), most_s=self.config.heartbeat_s)
+        return Backoff(first_s=min(0.1, self.config.heartbeat_s), most_s=self.config.heartbeat_s)
 
     def start(self) -> None:
-        heartbeat, load = self._backoff("heartbeat"), self._backoff("load report")
         self._tasks = [
-            asyncio.create_task(self._every(self.config.heartbeat_s, self._heartbeat, heartbeat)),
-            asyncio.create_task(self._every(self.config.load_period_s, self._report_load, load)),
+            asyncio.create_task(self._every("heartbeat", self.config.heartbeat_s, self._heartbeat)),
+            asyncio.create_task(self._every("load report", self.config.load_period_s, self._report_load)),
             asyncio.create_task(self._stream_events()),
         ]
 
@@ -158,15 +147,16 @@ class RedisPublisher:
 
     # -- registry and load -----------------------------------------------------------------------
 
-    async def _every(self, period_s: float, action: Callable[[], Awaitable[None]], backoff: Backoff) -> None:
+    async def _every(self, what: str, period_s: float, action: Callable[[], Awaitable[None]]) -> None:
+        backoff = self._backoff()
         while True:
             check_cancelled()
             try:
                 await action()
             except REDIS_DOWN as error:
-                await asyncio.sleep(backoff.failed(error))
+                await asyncio.sleep(_failed(what, backoff, error))
                 continue
-            backoff.succeeded()
+            _succeeded(what, backoff)
             await asyncio.sleep(period_s)
 
     async def _heartbeat(self) -> None:
@@ -195,7 +185,7 @@ class RedisPublisher:
         return self.runtime.worker.events.after(self.published_seq, MAX_BATCHES_PER_WRITE)
 
     async def _stream_events(self) -> None:
-        backoff = self._backoff("event stream")
+        backoff = self._backoff()
         feed = self.runtime.feed
         loop = asyncio.get_running_loop()
         while True:
@@ -220,9 +210,9 @@ class RedisPublisher:
             try:
                 await self._append(batches)
             except REDIS_DOWN as error:
-                await asyncio.sleep(backoff.failed(error))
+                await asyncio.sleep(_failed("event stream", backoff, error))
                 continue
-            backoff.succeeded()
+            _succeeded("event stream", backoff)
 
     async def _send_the_rest(self) -> None:
         self.runtime.feed.flush()

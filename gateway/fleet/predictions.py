@@ -46,7 +46,7 @@ from redis.asyncio import Redis
 from gateway.rejections import Rejections
 from gateway.sync.bundled_wire import MALFORMED, BlockHash, checked_hashes
 from gateway.sync.redis_streams import BLOCK_MS, READ_COUNT, read_stream
-from gateway.sync.state import RETRY_MAX_S, Backoff
+from protocol.backoff import RETRY_MAX_S, Backoff
 from protocol.cancellation import check_cancelled
 from protocol.redis_keys import PREDICTIONS
 from radix.capacity import Predicted
@@ -190,7 +190,7 @@ class Predictions:
             self.index.expire(self.clock())
 
     def _failed(self, what: str, backoff: Backoff, error: Exception) -> float:
-        if backoff.delay == 0.0:
+        if not backoff.failing:
             log.warning("predictions: %s failed: %r; retrying with backoff", what, error)
         self.stats.errors += 1
         self.stats.last_error = f"{what}: {type(error).__name__}: {error}"

@@ -88,6 +88,9 @@ class Replica:
     bootstrap_port: int | None = None
     # Its KV block in its own tokens, from the cached tokens it reports (radix.reports).
     reported: ReportedUnit = field(default_factory=ReportedUnit)
+    # Whether its index entries are exact, from its KV events (a bundled worker's, or followed over
+    # ZMQ), else predictions of the gateway's: decided when it joins, as its KV follower is started.
+    precise: bool = False
 
     @property
     def speed(self) -> float:
@@ -159,6 +162,7 @@ class Replica:
             "max_context_len": self.max_context_len,
             "source": self.source,
             "incarnation": self.incarnation,
+            "precise": self.precise,
             "healthy": self.healthy,
             "draining": self.draining,
             "inflight": len(self.inflight),

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from gateway.fleet.replicas import Replica
 from gateway.forward.upstream import UpstreamError, error_kind
-from gateway.gateway import Gateway
 from gateway.gateway_config import Limits
+from gateway.gateway_state import GatewayState
 from protocol.errors import ApiError
 from protocol.openai_responses import SSE_DONE, sse
 
@@ -31,15 +31,15 @@ class Failures:
     # The last refusal, with its Retry-After: the fleet is full, not broken.
     refusal: ApiError | None = None
 
-    def failed(self, gw: Gateway, replica: Replica, kind: str, message: str) -> None:
-        gw.mark_failure(replica)
-        gw.metrics.upstream_errors.labels(replica.id, kind).inc()
+    def failed(self, state: GatewayState, replica: Replica, kind: str, message: str) -> None:
+        state.mark_failure(replica)
+        state.metrics.upstream_errors.labels(replica.id, kind).inc()
         self.last, self.kind = message, "timeout" if kind == "timeout" else "error"
 
     def refused(
-        self, gw: Gateway, replica: Replica, status: int, headers: Mapping[str, str], model: str
+        self, state: GatewayState, replica: Replica, status: int, headers: Mapping[str, str], model: str
     ) -> None:
-        gw.metrics.upstream_errors.labels(replica.id, f"http_{status}").inc()
+        state.metrics.upstream_errors.labels(replica.id, f"http_{status}").inc()
         self.last, self.kind = f"replica {replica.id} answered {status}", "refused"
         self.refusal = refusal(status, headers, model)
 
@@ -87,11 +87,11 @@ def unavailable(replicas: Iterable[Replica], model: str) -> str:
     return f"no healthy replica serves {model!r} right now"
 
 
-def failed_mid_stream(gw: Gateway, replica: Replica, error: TimeoutError | UpstreamError) -> None:
+def failed_mid_stream(state: GatewayState, replica: Replica, error: TimeoutError | UpstreamError) -> None:
     kind = error_kind(error)
     if not kind.startswith("http_"):  # a refusal is an answer: the replica is up
-        gw.mark_failure(replica)
-    gw.metrics.upstream_errors.labels(replica.id, kind).inc()
+        state.mark_failure(replica)
+    state.metrics.upstream_errors.labels(replica.id, kind).inc()
 
 
 def stream_error(

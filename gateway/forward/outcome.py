@@ -18,7 +18,7 @@ from gateway.forward.request_view import PREFIX_ROUTES
 from gateway.forward.routed import Routed
 from gateway.forward.sse_events import usage_numbers
 from gateway.forward.upstream import header_count
-from gateway.gateway import Gateway
+from gateway.gateway_state import GatewayState
 from policies.prefix_aware import prefill_wait_s
 from protocol.openai_responses import CACHED_TOKENS_HEADER
 from radix.reports import realised_blocks
@@ -44,10 +44,10 @@ def reported_usage(headers: Mapping[str, str], tail: bytes, replica: Replica) ->
 
 
 def account(
-    gw: Gateway, routed: Routed, replica: Replica, status: int, usage: Usage | None, *, paired: bool
+    state: GatewayState, routed: Routed, replica: Replica, status: int, usage: Usage | None, *, paired: bool
 ) -> None:
     """Count the request's end on `replica` and, for a success, learn from what the replica reported."""
-    m = gw.metrics
+    m = state.metrics
     m.child(m.requests, routed.model, replica.id, routed.decision.policy, str(status), routed.route).inc()
     m.child(m.e2e, routed.model, replica.id).observe(time.monotonic() - routed.arrival)
     if status != 200:
@@ -59,14 +59,19 @@ def account(
     reported_prompt, cached = usage or (None, None)
     if cached is not None:
         m.child(m.realised_cached, routed.model, replica.id).inc(cached)
-        _learn(gw, routed, replica, reported_prompt, cached, paired)
+        _learn(state, routed, replica, reported_prompt, cached, paired)
     hashes = routed.decision.hashes.get(replica.block_size)
-    if routed.route in PREFIX_ROUTES and hashes and not gw.precise(replica):
-        gw.predictions.released(replica.id, hashes)
+    if routed.route in PREFIX_ROUTES and hashes and not replica.precise:
+        state.predictions.released(replica.id, hashes)
 
 
 def _learn(
-    gw: Gateway, routed: Routed, replica: Replica, reported_prompt: int | None, cached: int, paired: bool
+    state: GatewayState,
+    routed: Routed,
+    replica: Replica,
+    reported_prompt: int | None,
+    cached: int,
+    paired: bool,
 ) -> None:
     """Correct the predicted cache of `replica` by what it reports it reused of this prompt.
 
@@ -76,12 +81,14 @@ def _learn(
     decode replica paired with a prefill replica received the prompt's KV: what it reports reusing
     says nothing of what it held before."""
     hashes = routed.decision.hashes.get(replica.block_size)
-    if routed.route not in PREFIX_ROUTES or not hashes or gw.precise(replica):
+    if routed.route not in PREFIX_ROUTES or not hashes or replica.precise:
         return
     first = replica.id == routed.decision.order[0]
     if not paired:
         predicted = (
-            routed.predicted if first else gw.index.predicted(replica.id, hashes, replica.pending_horizon())
+            routed.predicted
+            if first
+            else state.index.predicted(replica.id, hashes, replica.pending_horizon())
         )
         if predicted is None:
             return
@@ -95,16 +102,16 @@ def _learn(
             replica.reported.block(replica.block_size),
             len(hashes),
         )
-        gw.predictions.learn(replica.id, predicted, realised)
+        state.predictions.learn(replica.id, predicted, realised)
     if not first:
-        gw.predictions.record(replica.id, hashes)
+        state.predictions.record(replica.id, hashes)
 
 
-def first_token(gw: Gateway, routed: Routed, replica: Replica, handle: int) -> None:
+def first_token(state: GatewayState, routed: Routed, replica: Replica, handle: int) -> None:
     """The first output on `replica`: its TTFT beside the routing model's, and its prefill rate learned."""
     ttft = time.monotonic() - routed.arrival
-    gw.metrics.child(gw.metrics.ttft, routed.model, replica.id).observe(ttft)
+    state.metrics.child(state.metrics.ttft, routed.model, replica.id).observe(ttft)
     predicted = prefill_wait_s(routed.decision.prompt_tokens, routed.decision.view_of(replica.id))
-    gw.metrics.child(gw.metrics.predicted_ttft, routed.model, replica.id).observe(predicted)
-    learn = gw.config.learning
-    gw.replicas.started(replica, handle, ttft, alpha=learn.ewma_alpha, min_tokens=learn.min_prefill_tokens)
+    state.metrics.child(state.metrics.predicted_ttft, routed.model, replica.id).observe(predicted)
+    learn = state.config.learning
+    state.replicas.started(replica, handle, ttft, alpha=learn.ewma_alpha, min_tokens=learn.min_prefill_tokens)

@@ -44,7 +44,7 @@ from gateway.forward.pd_bodies import bundled_fields, sglang_fields, vllm_prefil
 from gateway.forward.request_view import Route
 from gateway.forward.routed import Routed
 from gateway.forward.upstream import UpstreamError, UpstreamResponse, error_kind, header_count
-from gateway.gateway import Gateway
+from gateway.gateway_state import GatewayState
 from protocol.disaggregation import PREFILL_ERROR_HEADER, TRANSFERRED_TOKENS_HEADER
 from protocol.transfer_auth import parse_secret
 
@@ -98,21 +98,23 @@ class PrefillLeg:
     as it goes, `guard` around each wait for the decode replica's first output, `on_head` when its
     answer's head is in, `answered` once its first output is, `close` always."""
 
-    def __init__(self, gw: Gateway, routed: Routed, prefill: Replica, decode: Replica) -> None:
-        self.gw, self.routed, self.prefill, self.decode = gw, routed, prefill, decode
+    def __init__(self, state: GatewayState, routed: Routed, prefill: Replica, decode: Replica) -> None:
+        self.state, self.routed, self.prefill, self.decode = state, routed, prefill, decode
         # Headers the decode replica's request gains.
         self.headers: dict[str, str] = {}
         decision = routed.decision
         uncached = max(decision.prompt_tokens - decision.view_of(prefill.id).cached_tokens, 0)
         hashes = decision.hashes.get(prefill.block_size)
         tick = None
-        if hashes and not gw.precise(prefill):
+        if hashes and not prefill.precise:
             # It will hold the prompt too: predicted, as for the replica a request goes to.
-            tick = gw.index.tick_now(prefill.id)
-            gw.predictions.record(prefill.id, hashes)
+            tick = state.index.tick_now(prefill.id)
+            state.predictions.record(prefill.id, hashes)
         blocks = -(-uncached // prefill.block_size)
-        self._handle: int | None = gw.replicas.dispatched(prefill, time.monotonic(), uncached, tick, blocks)
-        gw.metrics.child(gw.metrics.pd_requests, routed.model, prefill.id, decode.id).inc()
+        self._handle: int | None = state.replicas.dispatched(
+            prefill, time.monotonic(), uncached, tick, blocks
+        )
+        state.metrics.child(state.metrics.pd_requests, routed.model, prefill.id, decode.id).inc()
 
     async def start(self, headers: dict[str, str]) -> dict[str, Any]:
         """What the decode replica's body gains (`headers`: the upstream headers of the request)."""
@@ -140,13 +142,13 @@ class PrefillLeg:
         replica's prefill rate."""
         if self._handle is None:
             return
-        gw = self.gw
+        state = self.state
         if learn:
-            learning = gw.config.learning
+            learning = state.config.learning
             ttft = time.monotonic() - self.routed.arrival
             alpha, min_tokens = learning.ewma_alpha, learning.min_prefill_tokens
-            gw.replicas.started(self.prefill, self._handle, ttft, alpha=alpha, min_tokens=min_tokens)
-        gw.replicas.finished(self.prefill, self._handle)
+            state.replicas.started(self.prefill, self._handle, ttft, alpha=alpha, min_tokens=min_tokens)
+        state.replicas.finished(self.prefill, self._handle)
         self._handle = None
 
     def _fallback(self, reason: str) -> None:
@@ -157,14 +159,14 @@ class PrefillLeg:
             self.decode.id,
             reason,
         )
-        self.gw.metrics.child(self.gw.metrics.pd_fallbacks, self.routed.model, self.prefill.id).inc()
+        self.state.metrics.child(self.state.metrics.pd_fallbacks, self.routed.model, self.prefill.id).inc()
         self._done(learn=False)
 
     async def _request(self, payload: bytes, headers: dict[str, str]) -> UpstreamResponse:
         """The prefill request sent, its answer's head in; a failure to get it is PrefillFailed."""
-        limits = self.gw.config.limits
+        limits = self.state.config.limits
         try:
-            return await self.gw.upstream.request(
+            return await self.state.upstream.request(
                 "POST",
                 self.prefill.url,
                 self.routed.target,
@@ -196,15 +198,17 @@ class BundledLeg(PrefillLeg):
     """prefixgate's own: the decode worker pulls the prompt's KV from the prefill worker its body's
     signed grant names, and computes the prompt itself, saying why, when that fails."""
 
-    def __init__(self, gw: Gateway, routed: Routed, prefill: Replica, decode: Replica, secret: bytes) -> None:
-        super().__init__(gw, routed, prefill, decode)
+    def __init__(
+        self, state: GatewayState, routed: Routed, prefill: Replica, decode: Replica, secret: bytes
+    ) -> None:
+        super().__init__(state, routed, prefill, decode)
         self.secret = secret
 
     async def start(self, headers: dict[str, str]) -> dict[str, Any]:
         return bundled_fields(self.prefill.url, self.secret)
 
     def on_head(self, headers: Mapping[str, str]) -> None:
-        m = self.gw.metrics
+        m = self.state.metrics
         transferred = header_count(headers.get(TRANSFERRED_TOKENS_HEADER))
         if transferred is not None:
             m.child(m.pd_transferred_tokens, self.routed.model, self.prefill.id, self.decode.id).inc(
@@ -212,7 +216,7 @@ class BundledLeg(PrefillLeg):
             )
         reason = headers.get(PREFILL_ERROR_HEADER)
         if reason is not None:
-            self.gw.mark_failure(self.prefill)
+            self.state.mark_failure(self.prefill)
             self._fallback(reason)
 
 
@@ -322,24 +326,24 @@ def _own_request_id(headers: MutableMapping[str, str], request_id: str) -> None:
 _LEGS: dict[str, type[PrefillLeg]] = {"vllm": VllmLeg, "sglang": SglangLeg}
 
 
-def prefill_leg(gw: Gateway, routed: Routed, decode: Replica) -> PrefillLeg | None:
+def prefill_leg(state: GatewayState, routed: Routed, decode: Replica) -> PrefillLeg | None:
     """The prefill side of an attempt on `decode`; None when the decision paired it with none (or
     the prefill replica has left since), or it is a bundled pair and the gateway has no secret to
     sign its grant with."""
-    prefill = gw.replicas.get(routed.decision.prefill.get(decode.id, ""))
+    prefill = state.replicas.get(routed.decision.prefill.get(decode.id, ""))
     if prefill is None or routed.body is None or routed.route not in PAIRED_ROUTES:
         return None
     if prefill.pd_protocol is not None:
-        return _LEGS[prefill.pd_protocol](gw, routed, prefill, decode)
-    secret = _secret(gw)
-    return BundledLeg(gw, routed, prefill, decode, secret) if secret is not None else None
+        return _LEGS[prefill.pd_protocol](state, routed, prefill, decode)
+    secret = _secret(state)
+    return BundledLeg(state, routed, prefill, decode, secret) if secret is not None else None
 
 
-def _secret(gw: Gateway) -> bytes | None:
+def _secret(state: GatewayState) -> bytes | None:
     """The fleet's transfer secret; None (said once in the log) when it is unset or too short."""
-    env = gw.config.auth.transfer_secret_env
+    env = state.config.auth.transfer_secret_env
     try:
-        secret = parse_secret(gw.config.transfer_secret())
+        secret = parse_secret(state.config.transfer_secret())
     except ValueError as error:
         _say_once(f"the transfer secret in ${env} is unusable ({error}): bundled workers are not paired")
         return None

@@ -54,12 +54,14 @@ from gateway.forward.relay_headers import response_headers, upstream_headers
 from gateway.forward.routed import Routed
 from gateway.forward.sse_events import OutputWatch, ResponseIdScan, UsageStrip
 from gateway.forward.upstream import UpstreamError, UpstreamResponse, error_kind
-from gateway.gateway import Gateway
+from gateway.gateway_state import GatewayState
 from protocol.errors import CLIENT_GONE, ApiError
 from protocol.openai_responses import SSE_DONE
 from protocol.stream_ids import STREAM_IDS_HEADER
 
 _SSE = "text/event-stream"
+# How an exchange fails when no connection to the replica was made at all.
+_UNREACHED = frozenset({"connect_failed", "bad_url"})
 T = TypeVar("T")
 
 
@@ -82,26 +84,26 @@ class _Attempt:
         return self.leg is not None
 
 
-async def forward(gw: Gateway, request: web.Request, routed: Routed) -> web.StreamResponse:
-    limits = gw.config.limits
-    order = [rid for rid in routed.decision.order if rid in gw.replicas][: limits.max_attempts]
+async def forward(state: GatewayState, request: web.Request, routed: Routed) -> web.StreamResponse:
+    limits = state.config.limits
+    order = [rid for rid in routed.decision.order if rid in state.replicas][: limits.max_attempts]
     if not order:
         raise ApiError(
             503,
-            unavailable(gw.replicas.serving(routed.model), routed.model),
+            unavailable(state.replicas.serving(routed.model), routed.model),
             code="no_replica_available",
             headers={"Retry-After": "1"},
         )
     failures = Failures()
     for attempt_no, rid in enumerate(order):
-        replica = gw.replicas.get(rid)
+        replica = state.replicas.get(rid)
         if replica is None:
             continue
         final = attempt_no == len(order) - 1
         try:
-            return await _attempt(gw, request, routed, replica, failures, final)
+            return await _attempt(state, request, routed, replica, failures, final)
         except _Retry as retry:
-            _retrying(gw, routed, retry.reason, final)
+            _retrying(state, routed, retry.reason, final)
     raise failures.answer(routed.model, limits)
 
 
@@ -114,63 +116,73 @@ class _Retry(Exception):
 
 
 async def _attempt(
-    gw: Gateway, request: web.Request, routed: Routed, replica: Replica, failures: Failures, final: bool
+    state: GatewayState,
+    request: web.Request,
+    routed: Routed,
+    replica: Replica,
+    failures: Failures,
+    final: bool,
 ) -> web.StreamResponse:
     """One try on `replica` (and its prefill replica, when paired): its answer relayed, or _Retry."""
     decision = routed.decision
     uncached = max(decision.prompt_tokens - decision.view_of(replica.id).cached_tokens, 0)
     recorded = routed.recorded_tick if replica.id == decision.order[0] else None
-    leg = prefill_leg(gw, routed, replica)
+    leg = prefill_leg(state, routed, replica)
     # A paired decode replica receives the prompt's KV rather than computing it; it holds it either way.
     computed = 0 if leg is not None else uncached
     blocks = -(-uncached // replica.block_size)
-    handle = gw.replicas.dispatched(replica, time.monotonic(), computed, recorded, blocks)
+    handle = state.replicas.dispatched(replica, time.monotonic(), computed, recorded, blocks)
     attempt = _Attempt(replica, handle, leg)
     upstream: UpstreamResponse | None = None
     try:
-        fields = await leg.start(upstream_headers(gw.config, routed, routed.raw)) if leg is not None else {}
-        learns_usage = not gw.precise(replica) and gw.config.approximate.request_usage
+        fields = (
+            await leg.start(upstream_headers(state.config, routed, routed.raw)) if leg is not None else {}
+        )
+        learns_usage = not replica.precise and state.config.approximate.request_usage
         payload, strip_usage = payloads.payload(routed, replica, learns_usage, fields)
-        headers = upstream_headers(gw.config, routed, payload, leg.headers if leg is not None else None)
+        headers = upstream_headers(state.config, routed, payload, leg.headers if leg is not None else None)
         if payloads.reads_ids(routed, replica):
             headers[STREAM_IDS_HEADER] = "1"
         if leg is not None:
             leg.sending(payload, headers)
-        upstream = await _guarded(leg, _send(gw, routed, replica, payload, headers))
+        upstream = await _guarded(leg, _send(state, routed, replica, payload, headers))
         if leg is not None:
             leg.on_head(upstream.headers)
         if upstream.status in REFUSALS and not final:
-            failures.refused(gw, replica, upstream.status, upstream.headers, routed.model)
+            failures.refused(state, replica, upstream.status, upstream.headers, routed.model)
             raise _Retry(f"http_{upstream.status}")
         if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith(_SSE):
             first = await _guarded(leg, _until_output(upstream))
             if leg is not None:
                 leg.answered()
-            return await _relay_stream(gw, request, routed, attempt, upstream, first, strip_usage)
+            return await _relay_stream(state, request, routed, attempt, upstream, first, strip_usage)
         body = await _guarded(leg, upstream.read())
         if leg is not None and upstream.status == 200:
             leg.answered()
-        return await _relay_body(gw, routed, attempt, upstream.status, upstream.headers, body)
+        return await _relay_body(state, routed, attempt, upstream.status, upstream.headers, body)
     except PrefillFailed as error:
         assert leg is not None
         if error.client_error:
             # The client's mistake, which the decode replica would refuse alike: the answer.
-            return await _relay_body(gw, routed, attempt, error.status or 400, error.headers, error.body)
+            return await _relay_body(state, routed, attempt, error.status or 400, error.headers, error.body)
         if error.refused and error.status is not None:
-            failures.refused(gw, leg.prefill, error.status, error.headers, routed.model)
+            failures.refused(state, leg.prefill, error.status, error.headers, routed.model)
         else:
-            failures.failed(gw, leg.prefill, error.kind, str(error))
+            failures.failed(state, leg.prefill, error.kind, str(error))
         raise _Retry(error.kind) from None
     except (TimeoutError, UpstreamError) as error:
         # The replica failed before the client saw any output: the next choice can still serve it.
-        when = "could not be reached" if upstream is None else "failed before its first output"
-        failures.failed(gw, replica, error_kind(error), f"replica {replica.id} {when}: {error!r}")
+        if upstream is not None:
+            when = "failed before its first output"
+        else:
+            when = "could not be reached" if error_kind(error) in _UNREACHED else "gave no answer"
+        failures.failed(state, replica, error_kind(error), f"replica {replica.id} {when}: {error!r}")
         raise _Retry(error_kind(error)) from None
     except asyncio.CancelledError:
         # The client left while an answer was awaited: counted with the replica it was on (one that
         # leaves before the answer's head is counted unlabelled, by the middleware).
         if upstream is not None and not request.get(ACCOUNTED):
-            account(gw, routed, attempt.replica, CLIENT_GONE, None, paired=attempt.paired)
+            account(state, routed, attempt.replica, CLIENT_GONE, None, paired=attempt.paired)
             request[ACCOUNTED] = True
         raise
     finally:
@@ -178,17 +190,17 @@ async def _attempt(
             # Back to the pool when read to the end; closed otherwise (the client left, or a refusal
             # went unread), which is what tells a worker to abort.
             upstream.release()
-        gw.replicas.finished(replica, handle)
+        state.replicas.finished(replica, handle)
         if leg is not None:
             await leg.close()
 
 
 def _send(
-    gw: Gateway, routed: Routed, replica: Replica, payload: bytes, headers: Mapping[str, str]
+    state: GatewayState, routed: Routed, replica: Replica, payload: bytes, headers: Mapping[str, str]
 ) -> Awaitable[UpstreamResponse]:
     """The request to `replica` under the gateway's connect and request timeouts."""
-    limits = gw.config.limits
-    return gw.upstream.request(
+    limits = state.config.limits
+    return state.upstream.request(
         routed.method,
         replica.url,
         routed.target,
@@ -215,22 +227,27 @@ async def _until_output(upstream: UpstreamResponse) -> bytes:
     return b"".join(held)
 
 
-def _retrying(gw: Gateway, routed: Routed, reason: str, final: bool) -> None:
+def _retrying(state: GatewayState, routed: Routed, reason: str, final: bool) -> None:
     if not final:
-        gw.metrics.child(gw.metrics.retries, routed.model, reason).inc()
+        state.metrics.child(state.metrics.retries, routed.model, reason).inc()
 
 
 async def _relay_body(
-    gw: Gateway, routed: Routed, attempt: _Attempt, status: int, headers: Mapping[str, str], body: bytes
+    state: GatewayState,
+    routed: Routed,
+    attempt: _Attempt,
+    status: int,
+    headers: Mapping[str, str],
+    body: bytes,
 ) -> web.Response:
     if status == 200:
-        first_token(gw, routed, attempt.replica, attempt.handle)
+        first_token(state, routed, attempt.replica, attempt.handle)
         if routed.route == "responses":
             response_id = _response_id(body)
             if response_id is not None:
-                await gw.response_owners.remember(response_id, attempt.replica.id)
+                await state.response_owners.remember(response_id, attempt.replica.id)
     account(
-        gw,
+        state,
         routed,
         attempt.replica,
         status,
@@ -250,7 +267,7 @@ class _Relay:
     several: the filters each chunk passes, the tail of what came (for usage and [DONE]), and the
     attempt answering now."""
 
-    gw: Gateway
+    state: GatewayState
     routed: Routed
     response: web.StreamResponse
     attempt: _Attempt
@@ -272,7 +289,7 @@ class _Relay:
             data = self.tap.feed(data)
         found = self.scan.feed(data) if self.scan is not None else None
         if found is not None:
-            remember = self.gw.response_owners.remember(found, self.attempt.replica.id)
+            remember = self.state.response_owners.remember(found, self.attempt.replica.id)
             self.remembered.append(asyncio.ensure_future(remember))
         return self.strip.feed(data) if self.strip is not None else data
 
@@ -280,7 +297,7 @@ class _Relay:
         """Relay `upstream` to its end from `chunk` (watched already). Chunks go out as they came, the
         last returned unsent, to go with the end of the stream in the same write (and the headers too,
         for an answer whole in its first chunk): one send, one client wake-up."""
-        itl = self.gw.metrics.child(self.gw.metrics.itl, self.routed.model)
+        itl = self.state.metrics.child(self.state.metrics.itl, self.routed.model)
         last = time.monotonic()
         while not upstream.at_end:
             if chunk:
@@ -302,11 +319,11 @@ class _Relay:
         from)."""
         replica = self.attempt.replica
         usage = None if self.continued else reported_usage(upstream.headers, self.tail, replica)
-        account(self.gw, self.routed, replica, status, usage, paired=self.attempt.paired)
+        account(self.state, self.routed, replica, status, usage, paired=self.attempt.paired)
 
 
 async def _relay_stream(
-    gw: Gateway,
+    state: GatewayState,
     request: web.Request,
     routed: Routed,
     attempt: _Attempt,
@@ -319,24 +336,24 @@ async def _relay_stream(
     seeing one stream; where none can, it ends the way OpenAI streams report errors: an error event,
     then [DONE]."""
     replica = attempt.replica
-    first_token(gw, routed, attempt.replica, attempt.handle)
+    first_token(state, routed, attempt.replica, attempt.handle)
     response = web.StreamResponse(
         status=200,
         headers=response_headers(upstream.headers, routed.decision, replica.id, attempt.prefill_id),
     )
-    how = payloads.continuation(gw.config, routed, replica)
+    how = payloads.continuation(state.config, routed, replica)
     tap = None
     if how is not None or payloads.reads_ids(routed, replica):
         tap = StreamTap(Sent(chat=routed.route == "chat"), read_text=replica.kind != "bundled")
     scan = ResponseIdScan() if routed.route == "responses" else None
-    relay = _Relay(gw, routed, response, attempt, UsageStrip() if strip_usage else None, tap, how, scan)
+    relay = _Relay(state, routed, response, attempt, UsageStrip() if strip_usage else None, tap, how, scan)
     status = 200
     try:
         await response.prepare(request)
         try:
             chunk = await relay.pump(upstream, relay.watch(first))
         except (TimeoutError, UpstreamError) as error:
-            chunk, status = await _carry_on(gw, routed, relay, error, strip_usage)
+            chunk, status = await _carry_on(state, routed, relay, error, strip_usage)
         for pending in relay.remembered:
             await pending
         await response.write_eof(chunk)
@@ -357,20 +374,20 @@ async def _relay_stream(
 
 
 async def _carry_on(
-    gw: Gateway, routed: Routed, relay: _Relay, error: TimeoutError | UpstreamError, ask_usage: bool
+    state: GatewayState, routed: Routed, relay: _Relay, error: TimeoutError | UpstreamError, ask_usage: bool
 ) -> tuple[bytes, int]:
     """After the answering replica failed mid-stream: the rest of the stream from another replica
     (the next in the routing order, then any of the model's; up to limits.max_attempts tries, each
     that fails replaced in turn), and the status to count; or the error event that ends the stream."""
     failed = relay.attempt.replica
-    failed_mid_stream(gw, failed, error)
+    failed_mid_stream(state, failed, error)
     sent = relay.tap.sent if relay.tap is not None else None
     if sent is not None and sent.finished:
         return SSE_DONE, 200  # every token and the finish had reached the client
-    m = gw.metrics
+    m = state.metrics
     tried = {failed.id}
     outcome = "unsupported"
-    for _ in range(gw.config.limits.max_attempts):
+    for _ in range(state.config.limits.max_attempts):
         if relay.how is None or sent is None or routed.body is None:
             break
         body = continuation_body(
@@ -379,57 +396,59 @@ async def _carry_on(
         if body is None:
             break
         outcome = "failed"
-        replica = _successor(gw, routed, tried, failed.kind)
+        replica = _successor(state, routed, tried, failed.kind)
         if replica is None:
             break
         tried.add(replica.id)
         try:
-            return await _continue_on(gw, routed, relay, replica, body), 200
+            return await _continue_on(state, routed, relay, replica, body), 200
         except (TimeoutError, UpstreamError) as again:
-            failed_mid_stream(gw, replica, again)
+            failed_mid_stream(state, replica, again)
             failed, error = replica, again
         if sent.finished:
             return SSE_DONE, 200
     m.child(m.stream_migrations, routed.model, outcome).inc()
-    return stream_error(failed.id, error, gw.config.limits.request_timeout_s)
+    return stream_error(failed.id, error, state.config.limits.request_timeout_s)
 
 
 async def _continue_on(
-    gw: Gateway, routed: Routed, relay: _Relay, replica: Replica, body: dict[str, Any]
+    state: GatewayState, routed: Routed, relay: _Relay, replica: Replica, body: dict[str, Any]
 ) -> bytes:
     """The stream carried on by `replica` from what the client has; its last chunk, unsent."""
     assert relay.tap is not None and relay.how is not None
     payload = orjson.dumps(body)
-    headers = upstream_headers(gw.config, routed, payload)
+    headers = upstream_headers(state.config, routed, payload)
     if relay.how == "bundled":
         headers[STREAM_IDS_HEADER] = "1"
-    handle = gw.replicas.dispatched(replica, time.monotonic(), 0)
+    handle = state.replicas.dispatched(replica, time.monotonic(), 0)
     upstream: UpstreamResponse | None = None
     try:
-        upstream = await _send(gw, routed, replica, payload, headers)
+        upstream = await _send(state, routed, replica, payload, headers)
         if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith(_SSE):
             raise UpstreamError(f"http_{upstream.status}", f"answered {upstream.status} to the continuation")
         sent = relay.tap.sent
         tap = StreamTap(sent, read_text=True, shift=sent_tokens(sent, relay.how))
         first = await _until_output(upstream)
         relay.tap, relay.attempt, relay.continued = tap, _Attempt(replica, handle, None), True
-        learn = gw.config.learning
+        learn = state.config.learning
         # Started, for the load it adds; its time to first token says nothing of its prefill rate.
-        gw.replicas.started(replica, handle, 0.0, alpha=learn.ewma_alpha, min_tokens=learn.min_prefill_tokens)
-        gw.metrics.child(gw.metrics.stream_migrations, routed.model, "continued").inc()
+        state.replicas.started(
+            replica, handle, 0.0, alpha=learn.ewma_alpha, min_tokens=learn.min_prefill_tokens
+        )
+        state.metrics.child(state.metrics.stream_migrations, routed.model, "continued").inc()
         return await relay.pump(upstream, relay.watch(first))
     finally:
         if upstream is not None:
             upstream.release()
-        gw.replicas.finished(replica, handle)
+        state.replicas.finished(replica, handle)
 
 
-def _successor(gw: Gateway, routed: Routed, tried: set[str], kind: str) -> Replica | None:
+def _successor(state: GatewayState, routed: Routed, tried: set[str], kind: str) -> Replica | None:
     """Where to continue a stream: the next replica in the routing order, else any other of the
     model's, of the kind that answered (the same token ids, the same way to continue), routable,
     not tried yet, and answering clients itself (no prefill replica, no foreign decode one)."""
-    ordered = [gw.replicas.get(rid) for rid in routed.decision.order]
-    for replica in [*ordered, *gw.replicas.serving(routed.model)]:
+    ordered = [state.replicas.get(rid) for rid in routed.decision.order]
+    for replica in [*ordered, *state.replicas.serving(routed.model)]:
         if replica is None or replica.id in tried or not replica.routable or replica.kind != kind:
             continue
         if replica.role == "prefill" or (kind == "openai" and replica.role != "mixed"):

@@ -10,16 +10,16 @@ from aiohttp import web
 from gateway.forward.pd_legs import PAIRED_ROUTES
 from gateway.forward.request_view import Route, read_request
 from gateway.forward.router import decide
-from gateway.gateway import Gateway
 from gateway.gateway_config import ReplicaEntry
-from gateway.http.keys import GATEWAY
+from gateway.gateway_state import GatewayState
+from gateway.http.keys import GATEWAY, STATE
 from gateway.http.reading import model_of, read_body, session_key
 from protocol.errors import ApiError
 from protocol.openai_api import parse_json
 
 
-def _replica_or_404(gw: Gateway, replica_id: str) -> Any:
-    replica = gw.replicas.get(replica_id)
+def _replica_or_404(state: GatewayState, replica_id: str) -> Any:
+    replica = state.replicas.get(replica_id)
     if replica is None:
         raise ApiError(404, f"no replica {replica_id!r}", param="id", code="replica_not_found")
     return replica
@@ -29,10 +29,10 @@ async def list_replicas(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     sync = gw.sync.states | gw.zmq_sync.states
     rows = []
-    for r in gw.replicas.all():
+    for r in gw.state.replicas.all():
         row = r.to_json() | {
-            "index_blocks": gw.index.blocks_of(r.id),
-            "index_capacity_blocks": gw.index.capacity_of(r.id),
+            "index_blocks": gw.state.index.blocks_of(r.id),
+            "index_capacity_blocks": gw.state.index.capacity_of(r.id),
         }
         if r.id in sync:
             row["kv_sync"] = sync[r.id].to_json()
@@ -43,7 +43,7 @@ async def list_replicas(request: web.Request) -> web.Response:
 
 async def add_replica(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    body = parse_json(await read_body(gw, request))
+    body = parse_json(await read_body(gw.state, request))
     try:
         entry = ReplicaEntry.model_validate(body, strict=True)  # JSON types as they are: no "16", no true
     except ValueError as error:
@@ -55,14 +55,14 @@ async def add_replica(request: web.Request) -> web.Response:
 
 
 async def drain_replica(request: web.Request) -> web.Response:
-    replica = _replica_or_404(request.app[GATEWAY], request.match_info["id"])
+    replica = _replica_or_404(request.app[STATE], request.match_info["id"])
     replica.draining = request.match_info["action"] == "drain"
     return web.json_response(replica.to_json())
 
 
 async def remove_replica(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    replica = _replica_or_404(gw, request.match_info["id"])
+    replica = _replica_or_404(gw.state, request.match_info["id"])
     await gw.deactivate(replica.id)
     return web.json_response({"status": "removed", "id": replica.id, "inflight": len(replica.inflight)})
 
@@ -70,24 +70,24 @@ async def remove_replica(request: web.Request) -> web.Response:
 async def debug_route(request: web.Request) -> web.Response:
     """Explain a decision without sending anything: GET ?prompt=...&model=..., or POST an OpenAI body
     (`messages` makes it a chat request, `input` a Responses one)."""
-    gw = request.app[GATEWAY]
+    state = request.app[STATE]
     if request.method == "POST":
-        body = parse_json(await read_body(gw, request))
+        body = parse_json(await read_body(state, request))
     else:
         body = {k: request.query[k] for k in ("model", "prompt", "user") if k in request.query}
     route: Route = "chat" if "messages" in body else "responses" if "input" in body else "completions"
     view = read_request(route, body)
-    model = model_of(gw, view.model, required=True)
+    model = model_of(state, view.model, required=True)
     assert model is not None
     if not view.has_prompt:
         raise ApiError(
             400, "nothing to route: give a prompt, messages or input", param="prompt", code="invalid_value"
         )
-    prompt = await gw.tokenizers.prompt(view, model, gw.config.limits)
+    prompt = await state.tokenizers.prompt(view, model, state.config.limits)
     tokens = prompt.ids if prompt is not None else None
-    session = session_key(gw, request, view)
-    replicas = gw.replicas.serving(model)
-    decision = decide(gw.policy, gw.index, replicas, tokens, session, gw.pd, route in PAIRED_ROUTES)
+    session = session_key(state, request, view)
+    replicas = state.replicas.serving(model)
+    decision = decide(state.policy, state.index, replicas, tokens, session, state.pd, route in PAIRED_ROUTES)
     return web.json_response(
         {
             "model": model,

@@ -26,7 +26,7 @@ from gateway.gateway import Gateway
 from gateway.gateway_config import GatewayConfig, load_config
 from gateway.http.admin import add_replica, debug_route, drain_replica, list_replicas, remove_replica
 from gateway.http.handlers import PROXIED_METHODS, health, live, metrics, models, openapi, proxy_handler
-from gateway.http.keys import CONFIG_PATH, GATEWAY
+from gateway.http.keys import CONFIG_PATH, GATEWAY, STATE
 from gateway.http.middleware import errors
 from gateway.http.reading import NAMED_ROUTES
 from policies import ConfigError
@@ -67,6 +67,7 @@ def create_app(
     gw = Gateway(config, gateway_id or config.gateway_id or default_id)
     app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[errors])
     app[GATEWAY] = gw
+    app[STATE] = gw.state
     if config_path is not None:
         app[CONFIG_PATH] = config_path
     for path, route in NAMED_ROUTES.items():

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from gateway.gateway import Gateway
+from gateway.gateway_state import GatewayState
 from gateway.http.reading import proxied_path
 from protocol.errors import ApiError
 
@@ -43,7 +43,7 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def authorize(gw: Gateway, request: web.Request) -> None:
+def authorize(state: GatewayState, request: web.Request) -> None:
     """API keys on the API routes; on the admin and debug routes, the admin token, or none at all.
 
     What the admin API trusts: with a token, whoever sends it. Without one (allowed only on a loopback
@@ -55,7 +55,7 @@ def authorize(gw: Gateway, request: web.Request) -> None:
     text a page may send without asking first: 415)."""
     path = request.path
     if proxied_path(path):
-        keys = gw.config.api_keys()
+        keys = state.config.api_keys()
         if keys and not _matches(_bearer(request), keys):
             raise ApiError(
                 401,
@@ -64,9 +64,9 @@ def authorize(gw: Gateway, request: web.Request) -> None:
                 type="authentication_error",
             )
     elif path.startswith(("/admin/", "/debug/")):
-        admin = gw.config.admin_token()
+        admin = state.config.admin_token()
         if admin is None:
-            if not _is_loopback(gw.config.listen.host):
+            if not _is_loopback(state.config.listen.host):
                 raise ApiError(
                     403,
                     "admin routes are off: set auth.admin_token_env to enable them",

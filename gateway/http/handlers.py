@@ -22,8 +22,8 @@ from gateway.forward.proxy import forward
 from gateway.forward.request_view import PREFIX_ROUTES, RequestView, Route, read_request
 from gateway.forward.routed import Routed
 from gateway.forward.router import Decision, decide
-from gateway.gateway import Gateway
-from gateway.http.keys import GATEWAY
+from gateway.gateway_state import GatewayState
+from gateway.http.keys import GATEWAY, STATE
 from gateway.http.openapi import OPENAPI
 from gateway.http.reading import forwarded_headers, json_body, model_of, read_body, session_key
 from protocol.errors import RETRY_AFTER_S, ApiError
@@ -51,21 +51,21 @@ async def _proxied(request: web.Request, route: Route) -> web.StreamResponse:
     under a burst), else once its body is in. Its body is read outside the total, under its own
     budget (`limits.body_timeout_s`), so that clients sending theirs slowly hold no slot that others'
     requests need."""
-    gw = request.app[GATEWAY]
+    state = request.app[STATE]
     arrival = time.monotonic()
-    _admissible(gw)
-    raw = await read_body(gw, request) if request.body_exists else b""
-    _admissible(gw)
-    gw.inflight += 1
+    _admissible(state)
+    raw = await read_body(state, request) if request.body_exists else b""
+    _admissible(state)
+    state.inflight += 1
     try:
-        return await _route_and_forward(gw, request, route, raw, arrival)
+        return await _route_and_forward(state, request, route, raw, arrival)
     finally:
-        gw.inflight -= 1
+        state.inflight -= 1
 
 
-def _admissible(gw: Gateway) -> None:
-    limit = gw.config.limits.max_inflight
-    if gw.inflight >= limit:
+def _admissible(state: GatewayState) -> None:
+    limit = state.config.limits.max_inflight
+    if state.inflight >= limit:
         raise ApiError(
             429,
             f"the gateway is at its limit of {limit} requests in flight; retry shortly",
@@ -75,29 +75,29 @@ def _admissible(gw: Gateway) -> None:
 
 
 async def _route_and_forward(
-    gw: Gateway, request: web.Request, route: Route, raw: bytes, arrival: float
+    state: GatewayState, request: web.Request, route: Route, raw: bytes, arrival: float
 ) -> web.StreamResponse:
     body = json_body(request, route, raw)
     view = read_request(route, body)
-    model = model_of(gw, view.model, required=route in PREFIX_ROUTES)
-    replicas = gw.replicas.serving(model) if model is not None else gw.replicas.all()
-    prompt = await gw.tokenizers.prompt(view, model, gw.config.limits) if model is not None else None
+    model = model_of(state, view.model, required=route in PREFIX_ROUTES)
+    replicas = state.replicas.serving(model) if model is not None else state.replicas.all()
+    prompt = await state.tokenizers.prompt(view, model, state.config.limits) if model is not None else None
     tokens = prompt.ids if prompt is not None else None
-    decision = await _decide(gw, request, route, view, replicas, tokens)
+    decision = await _decide(state, request, route, view, replicas, tokens)
     expectation = NOTHING
     if route in PREFIX_ROUTES:
-        gw.metrics.child(gw.metrics.decision, decision.policy).observe(decision.seconds)
-        chosen = gw.replicas.get(decision.order[0]) if decision.order else None
+        state.metrics.child(state.metrics.decision, decision.policy).observe(decision.seconds)
+        chosen = state.replicas.get(decision.order[0]) if decision.order else None
         hashes = decision.hashes.get(chosen.block_size) if chosen is not None else None
         if chosen is not None and hashes:
             expectation = expect(
-                gw.index,
-                gw.predictions,
+                state.index,
+                state.predictions,
                 chosen,
                 hashes,
-                precise=gw.precise(chosen),
+                precise=chosen.precise,
                 now=time.time(),
-                request_timeout_s=gw.config.limits.request_timeout_s,
+                request_timeout_s=state.config.limits.request_timeout_s,
             )
     routed = Routed(
         route=route,
@@ -116,13 +116,13 @@ async def _route_and_forward(
         recorded_tick=expectation.recorded_tick,
     )
     try:
-        return await forward(gw, request, routed)
+        return await forward(state, request, routed)
     finally:
-        settle(gw.index, expectation)
+        settle(state.index, expectation)
 
 
 async def _decide(
-    gw: Gateway,
+    state: GatewayState,
     request: web.Request,
     route: Route,
     view: RequestView,
@@ -132,24 +132,26 @@ async def _decide(
     """The policy's choice by prefix, or by load; a stored response's own replica first and alone, when
     it can take the request (no other replica holds that response)."""
     if route in PREFIX_ROUTES:
-        session = session_key(gw, request, view)
-        decision = decide(gw.policy, gw.index, replicas, tokens, session, gw.pd, route in PAIRED_ROUTES)
+        session = session_key(state, request, view)
+        decision = decide(
+            state.policy, state.index, replicas, tokens, session, state.pd, route in PAIRED_ROUTES
+        )
     else:
-        decision = decide(gw.by_load, gw.index, [r for r in replicas if r.role != "prefill"], None)
+        decision = decide(state.by_load, state.index, [r for r in replicas if r.role != "prefill"], None)
     found = _RESPONSE_PATH.match(request.path)
     response_id = view.previous_response_id or (found.group(1) if found else None)
     if response_id is not None:
-        owner = gw.replicas.get(await gw.response_owners.owner(response_id) or "")
+        owner = state.replicas.get(await state.response_owners.owner(response_id) or "")
         if owner is not None and owner.routable and owner in replicas:
             return dataclasses.replace(decision, order=[owner.id])
     return decision
 
 
 async def models(request: web.Request) -> web.Response:
-    gw = request.app[GATEWAY]
+    state = request.app[STATE]
     data = []
-    for name in gw.replicas.models():
-        replicas = gw.replicas.serving(name)
+    for name in state.replicas.models():
+        replicas = state.replicas.serving(name)
         data.append(
             {
                 "id": name,
@@ -168,16 +170,17 @@ async def health(request: web.Request) -> web.Response:
     clients, which a prefill replica does not; and the gateway started: it listens only once the
     tokenizers of the models it knows are loaded)."""
     gw = request.app[GATEWAY]
-    replicas = gw.replicas.all()
+    state = gw.state
+    replicas = state.replicas.all()
     routable = sum(r.routable and r.role != "prefill" for r in replicas)
     degraded = gw.redis_ok is False
     body = {
         "status": ("degraded" if degraded else "ok") if routable else "unavailable",
-        "gateway_id": gw.gateway_id,
+        "gateway_id": state.gateway_id,
         "replicas": {"routable": routable, "total": len(replicas), "pending": len(gw.pending)},
-        "models": gw.replicas.models(),
-        "tokenizers": gw.tokenizers.status(),
-        "policy": gw.policy.name,
+        "models": state.replicas.models(),
+        "tokenizers": state.tokenizers.status(),
+        "policy": state.policy.name,
         "redis": {"configured": gw.redis is not None, "ok": gw.redis_ok},
         "degraded": degraded,
     }
@@ -186,13 +189,13 @@ async def health(request: web.Request) -> web.Response:
 
 async def live(request: web.Request) -> web.Response:
     """Liveness: the process serves HTTP (whether or not any replica can take a request)."""
-    return web.json_response({"status": "alive", "gateway_id": request.app[GATEWAY].gateway_id})
+    return web.json_response({"status": "alive", "gateway_id": request.app[STATE].gateway_id})
 
 
 async def metrics(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     gw.refresh_metrics()
-    return web.Response(body=gw.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+    return web.Response(body=gw.state.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 async def openapi(request: web.Request) -> web.Response:

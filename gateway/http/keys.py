@@ -7,6 +7,9 @@ from pathlib import Path
 from aiohttp import web
 
 from gateway.gateway import Gateway
+from gateway.gateway_state import GatewayState
 
+# The lifecycle (admin routes, health, metrics) and what requests read: requests never reach the former.
 GATEWAY = web.AppKey("gateway", Gateway)
+STATE = web.AppKey("state", GatewayState)
 CONFIG_PATH = web.AppKey("config_path", Path)

@@ -12,7 +12,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from gateway.forward.outcome import ACCOUNTED
 from gateway.http.auth import authorize
-from gateway.http.keys import GATEWAY
+from gateway.http.keys import STATE
 from gateway.http.reading import proxied_path, route_of
 from protocol.errors import CLIENT_GONE, ApiError
 
@@ -24,13 +24,15 @@ async def errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """Every refusal as OpenAI's error JSON, aiohttp's own 404/405/413 included; never a bare 500."""
-    gw = request.app[GATEWAY]
+    state = request.app[STATE]
     try:
-        authorize(gw, request)
+        authorize(state, request)
         return await handler(request)
     except ApiError as error:
         if proxied_path(request.path):
-            gw.metrics.requests.labels("", "", gw.policy.name, str(error.status), route_of(request)).inc()
+            state.metrics.requests.labels(
+                "", "", state.policy.name, str(error.status), route_of(request)
+            ).inc()
         response = web.json_response(error.to_json(), status=error.status, headers=error.headers)
         if error.headers.get("Connection") == "close":
             # A client whose body did not arrive in time gets its answer, then its connection closed:
@@ -52,7 +54,9 @@ async def errors(
         return web.json_response(api.to_json(), status=error.status)
     except asyncio.CancelledError:
         if proxied_path(request.path) and not request.get(ACCOUNTED):
-            gw.metrics.requests.labels("", "", gw.policy.name, str(CLIENT_GONE), route_of(request)).inc()
+            state.metrics.requests.labels(
+                "", "", state.policy.name, str(CLIENT_GONE), route_of(request)
+            ).inc()
         raise
     except Exception:
         log.exception("unhandled error serving %s %s", request.method, request.path)

@@ -140,6 +140,10 @@ REPLICA: dict[str, Any] = {
         "max_context_len": {"type": "integer"},
         "source": {"type": "string"},
         "incarnation": {"type": ["string", "null"]},
+        "precise": {
+            "type": "boolean",
+            "description": "its index entries come from its KV events (else they are predictions)",
+        },
         "healthy": {"type": "boolean"},
         "draining": {"type": "boolean"},
         "inflight": {"type": "integer"},

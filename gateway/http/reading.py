@@ -12,7 +12,7 @@ from multidict import CIMultiDict
 from gateway.forward.internal_fields import INTERNAL_HEADER_PREFIX
 from gateway.forward.relay_headers import HOP_BY_HOP, connection_named
 from gateway.forward.request_view import RequestView, Route
-from gateway.gateway import Gateway
+from gateway.gateway_state import GatewayState
 from protocol.errors import ApiError
 from protocol.openai_api import parse_json
 
@@ -61,14 +61,14 @@ def proxied_path(path: str) -> bool:
     return path.startswith("/v1/") or path in NAMED_ROUTES
 
 
-def model_of(gw: Gateway, name: str | None, required: bool) -> str | None:
+def model_of(state: GatewayState, name: str | None, required: bool) -> str | None:
     """The model a request is for: the one it names, else the default one (the configured default, or
     the only one). Naming a model no replica serves is a 404. A route that needs a model (`required`)
     and names none when several are served is a 400; any other is then served by any replica."""
-    models = gw.replicas.models()
+    models = state.replicas.models()
     if name is None:
-        if gw.config.model is not None and gw.config.model in models:
-            return gw.config.model
+        if state.config.model is not None and state.config.model in models:
+            return state.config.model
         if len(models) == 1:
             return models[0]
         if not required:
@@ -86,10 +86,10 @@ def model_of(gw: Gateway, name: str | None, required: bool) -> str | None:
     return name
 
 
-def session_key(gw: Gateway, request: web.Request, view: RequestView) -> str | None:
+def session_key(state: GatewayState, request: web.Request, view: RequestView) -> str | None:
     """The session header, else the `user` field. A header is bytes, whatever it holds: one that is not
     UTF-8 (aiohttp's surrogate escapes) is a key as good as any, its bytes written as escapes."""
-    header = request.headers.get(gw.config.routing.session_affinity.header)
+    header = request.headers.get(state.config.routing.session_affinity.header)
     if header:
         return header.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     return view.user
@@ -121,7 +121,7 @@ def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
     return headers
 
 
-async def read_body(gw: Gateway, request: web.Request) -> bytes:
+async def read_body(state: GatewayState, request: web.Request) -> bytes:
     """The request body, decoded. A content coding aiohttp does not decode would otherwise be read as
     if there were none; a body that does not arrive in time would hold its connection for ever."""
     coding = request.headers.get("Content-Encoding", "identity").strip().lower()
@@ -133,7 +133,7 @@ async def read_body(gw: Gateway, request: web.Request) -> bytes:
         )
     if request.content.is_eof():  # all there already, as small bodies are: no timer to arm
         return await request.read()
-    timeout_s = gw.config.limits.body_timeout_s
+    timeout_s = state.config.limits.body_timeout_s
     try:
         async with asyncio.timeout(timeout_s):
             return await request.read()

@@ -35,7 +35,8 @@ from gateway.rejections import Rejections
 from gateway.sync.bundled_wire import MALFORMED, decode_poll, decode_snapshot, parse_entry
 from gateway.sync.followers import Followers
 from gateway.sync.redis_streams import BLOCK_MS, READ_COUNT, entry_time, read_stream, stream_tail
-from gateway.sync.state import RETRY_MAX_S, Backoff, SyncState, Transport
+from gateway.sync.state import SyncState, Transport
+from protocol.backoff import RETRY_MAX_S, Backoff
 from protocol.cancellation import check_cancelled
 from protocol.kv_events import EventBatch
 from protocol.redis_keys import kv_stream_key
@@ -109,7 +110,7 @@ async def resync(
 
 def _failed(state: SyncState, backoff: Backoff, error: Exception) -> float:
     """Record a failure; the delay before the next attempt. Logs once per outage, not per attempt."""
-    if backoff.delay == 0.0:
+    if not backoff.failing:
         log.warning(
             "kv sync: replica %s (%s, %s) failed: %r; retrying with backoff",
             state.replica,
@@ -122,7 +123,7 @@ def _failed(state: SyncState, backoff: Backoff, error: Exception) -> float:
 
 
 def _recovered(state: SyncState, backoff: Backoff) -> None:
-    if backoff.delay:
+    if backoff.failing:
         log.info("kv sync: replica %s follows again", state.replica)
     backoff.succeeded()
     state.last_error = None

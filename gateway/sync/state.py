@@ -1,7 +1,7 @@
-"""Where a replica's KV-event follower stands, and how it retries: one shape for every transport, so
-the admin API, the metrics and the replica set read a follower the same way whichever feed it follows
-(the bundled workers' over HTTP or Redis, gateway.sync.bundled_events; vLLM-format over ZMQ,
-gateway.sync.zmq_events)."""
+"""Where a replica's KV-event follower stands: one shape for every transport, so the admin API, the
+metrics and the replica set read a follower the same way whichever feed it follows (the bundled
+workers' over HTTP or Redis, gateway.sync.bundled_events; vLLM-format over ZMQ, gateway.sync.zmq_events;
+how they retry is protocol.backoff)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Transport = Literal["http", "redis", "zmq"]
-
-RETRY_FIRST_S = 0.05
-RETRY_MAX_S = 2.0
 
 
 @dataclass(slots=True)
@@ -94,19 +91,3 @@ class SyncState:
             "lag_s": round(self.lag_s(now), 3),
             "last_error": self.last_error,
         }
-
-
-class Backoff:
-    """Bounded exponential retry delays, reset by a success."""
-
-    def __init__(self, first_s: float = RETRY_FIRST_S, most_s: float = RETRY_MAX_S) -> None:
-        self.first_s = first_s
-        self.most_s = most_s
-        self.delay = 0.0
-
-    def failed(self) -> float:
-        self.delay = min(self.most_s, max(self.first_s, 2 * self.delay))
-        return self.delay
-
-    def succeeded(self) -> None:
-        self.delay = 0.0

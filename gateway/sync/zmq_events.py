@@ -44,8 +44,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from gateway.rejections import Rejections
 from gateway.sync.followers import Followers
-from gateway.sync.state import RETRY_MAX_S, Backoff, SyncState
+from gateway.sync.state import SyncState
 from gateway.sync.zmq_chains import Chains
+from protocol.backoff import RETRY_MAX_S, Backoff
 from protocol.vllm_kv_events import (
     MAX_PAYLOAD_BYTES,
     AllBlocksCleared,
@@ -146,7 +147,7 @@ class ZmqFollower:
                 await asyncio.sleep(RECONNECT_IVL_MS / 1000)
 
     def _failed(self, error: Exception, backoff: Backoff) -> None:
-        if backoff.delay == 0.0:
+        if not backoff.failing:
             log.warning("zmq sync: replica %s failed: %r; retrying with backoff", self.replica, error)
         self.state.failed(error)
 
@@ -200,7 +201,7 @@ class ZmqFollower:
 
     async def _on_connected(self, backoff: Backoff) -> None:
         self.state.connected = True
-        if backoff.delay:
+        if backoff.failing:
             log.info("zmq sync: replica %s follows again", self.replica)
         backoff.succeeded()
         self.state.last_error = None

@@ -1,9 +1,12 @@
 """The local fleet harness: the gateway config it writes, what ready means (for a worker, a gateway and
-Redis), a child that dies while starting named with its log, and a Fleet that stops what it started,
-services last (its ports: tests/protocol/test_loopback_ports.py)."""
+Redis), a child that dies while starting named with its log (or, with no log, its output on ours), a
+child serving on a socket its parent bound, in a session of its own (`prefixgate up`'s workers), and a
+Fleet that stops what it started, services last (its ports: tests/protocol/test_loopback_ports.py)."""
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,6 +74,39 @@ def test_a_child_that_dies_while_starting_is_named_with_its_log(tmp_path: Path) 
     child = spawn("worker-x", command, f"http://127.0.0.1:{free_port()}", tmp_path)
     with pytest.raises(RuntimeError, match=r"worker-x exited with status 3 while starting:\nbad config"):
         wait_healthy([child], timeout_s=30, poll_s=0.01)
+
+
+def test_a_child_without_a_work_folder_writes_to_our_output_and_dies_named_alone(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    command = [sys.executable, "-c", "import sys; print('bad config'); sys.exit(3)"]
+    child = spawn("worker-x", command, f"http://127.0.0.1:{free_port()}", None)
+    with pytest.raises(RuntimeError, match=r"^worker-x exited with status 3 while starting$"):
+        wait_healthy([child], timeout_s=30, poll_s=0.01)
+    assert child.log is None and "bad config" in capfd.readouterr().out
+
+
+def test_a_child_serves_on_the_socket_its_parent_bound_in_a_session_of_its_own(tmp_path: Path) -> None:
+    """The parent's copy of the socket is closed before the child is asked: the child's answers."""
+    script = (
+        "import http.server, socket, sys\n"
+        "class Health(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200 if self.path == '/health' else 404)\n"
+        "        self.end_headers()\n"
+        "server = http.server.HTTPServer(('127.0.0.1', 0), Health, bind_and_activate=False)\n"
+        "server.socket = socket.socket(fileno=int(sys.argv[1]))\n"
+        "server.serve_forever()\n"
+    )
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        command = [sys.executable, "-c", script, str(sock.fileno())]
+        child = spawn("fd-server", command, url, tmp_path, pass_fds=(sock.fileno(),), new_session=True)
+    try:
+        wait_healthy([child], timeout_s=30, poll_s=0.05)
+        assert os.getsid(child.pid) == child.pid != os.getsid(0)
+    finally:
+        stop([child])
 
 
 def test_a_child_that_never_answers_times_out_with_its_name(tmp_path: Path) -> None:

@@ -26,8 +26,8 @@ import pytest
 import yaml
 from redis import Redis
 
+from bench.probes import wait_for
 from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker, sim_worker_args
-from tests.support.polling import wait_for
 from tests.support.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

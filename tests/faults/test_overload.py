@@ -117,7 +117,7 @@ def test_the_gateway_refuses_past_its_own_inflight_limit(
     print(f"\nburst of 12 through a gateway with max_inflight 4: {dict(statuses)}")
     assert statuses == {200: 4, 429: 8}
     assert_refused_properly(outcomes, "gateway_overloaded")
-    assert gateway.gw.inflight == 0
+    assert gateway.state.inflight == 0
     ok = httpx.post(f"{gateway.url}/v1/completions", json={**long_bodies(1)[0], "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200 and ok.json()["model"] == SIM_MODEL
 

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from bench.probes import wait_for
 from tests.support.gateways import RunningGateway
-from tests.support.polling import wait_for
 from tests.support.servers import free_port
 
 MODEL = "foreign-m"
@@ -115,12 +115,14 @@ def test_requests_queued_on_a_killed_replica_are_served_elsewhere(
         routing={"policy": "round_robin"},
         models={MODEL: {"tokenizer": "none"}},
     )
-    doomed_id = gateway.gw.replicas.by_url(doomed_url).id
+    doomed_id = gateway.state.replicas.by_url(doomed_url).id
     with ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(chat, gateway, i, stream=i % 2 == 0) for i in range(16)]
         # Half of them are queued on the doomed replica: 200 and a role event sent, no token.
         wait_for(
-            lambda: len(gateway.gw.replicas.get(doomed_id).inflight) >= 6, "requests queued there", timeout=5
+            lambda: len(gateway.state.replicas.get(doomed_id).inflight) >= 6,
+            "requests queued there",
+            timeout=5,
         )
         time.sleep(0.2)
         doomed.send_signal(signal.SIGKILL)
@@ -128,7 +130,7 @@ def test_requests_queued_on_a_killed_replica_are_served_elsewhere(
     assert [status for status, _ in results] == [200] * 16
     healthy_port = healthy_url.rsplit(":", 1)[1]
     assert all(text == f"served on {healthy_port}" for _, text in results), results
-    retried = gateway.gw.metrics.registry.get_sample_value(
+    retried = gateway.state.metrics.registry.get_sample_value(
         "prefixgate_gateway_retries_total", {"model": MODEL, "reason": "disconnected"}
     )
     assert retried is not None and retried >= 6

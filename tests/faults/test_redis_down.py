@@ -17,9 +17,9 @@ import pytest
 import redis
 
 from bench.chaos_traffic import Traffic, completion, family_prompt
+from bench.probes import wait_for
 from protocol.redis_keys import WORKERS, worker_key
 from tests.support.gateways import RunningGateway, SimWorker
-from tests.support.polling import wait_for
 from tests.support.redis import start_redis_server
 from tests.support.servers import free_port
 
@@ -80,7 +80,7 @@ def on_loop(gateway: RunningGateway, read: Callable[[], Any]) -> Any:
 def index_matches(gateway: RunningGateway, worker: SimWorker) -> bool:
     """The gateway's index holds exactly the worker's cached blocks (its /kv/snapshot)."""
     snapshot = set(httpx.get(f"{worker.url}/kv/snapshot", timeout=5).json()["hashes"])
-    index = gateway.gw.index
+    index = gateway.state.index
     return on_loop(
         gateway,
         lambda: (
@@ -131,8 +131,8 @@ def test_gateways_route_through_a_redis_outage_and_resync_after_it(
     assert [o for o in outcomes if o.status != 200] == []
     # Both gateways kept their replicas through it (no re-joining from scratch) and routed to both.
     for gateway in gateways:
-        assert sorted(r.id for r in gateway.gw.replicas.all()) == sorted(w.id for w in workers)
-        assert all(r.routable for r in gateway.gw.replicas.all())
+        assert sorted(r.id for r in gateway.state.replicas.all()) == sorted(w.id for w in workers)
+        assert all(r.routable for r in gateway.state.replicas.all())
     assert {o.replica for o in during} == {w.id for w in workers}
     # The KV followers caught up: every index is exact again, with nothing pending or failing.
     for gateway in gateways:

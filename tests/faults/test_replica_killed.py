@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from bench.probes import wait_for
 from tests.support.gateways import SIM_MODEL, RunningGateway, sim_worker_args
-from tests.support.polling import wait_for
 from tests.support.servers import free_port
 
 
@@ -88,12 +88,12 @@ def test_a_killed_replica_costs_no_request_that_had_not_started_streaming(
     assert tail[-1] == "data: [DONE]" and '"finish_reason":"length"' in tail[-2]
     assert not any("upstream_failed" in line for line in tail)
     down_since = wait_for(
-        lambda: gateway.gw.replicas.get(victim).down_since, "the victim to leave", timeout=5
+        lambda: gateway.state.replicas.get(victim).down_since, "the victim to leave", timeout=5
     )
     assert down_since - killed < 2.0
     assert {long_request(gateway, False).headers["x-prefixgate-replica"] for _ in range(4)} == {survivor}
     # Restarted on the same port: back in the rotation, with the old cache forgotten.
     spawn_worker(victim, ports[victim])
-    wait_for(lambda: gateway.gw.replicas.get(victim).routable, "the victim to rejoin", timeout=10)
-    assert gateway.gw.index.blocks_of(victim) == 0
+    wait_for(lambda: gateway.state.replicas.get(victim).routable, "the victim to rejoin", timeout=10)
+    assert gateway.state.index.blocks_of(victim) == 0
     assert victim in {long_request(gateway, False).headers["x-prefixgate-replica"] for _ in range(4)}

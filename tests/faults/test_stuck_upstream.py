@@ -17,8 +17,8 @@ from bench import local_fleet
 from bench.chaos_fleet import WORKER
 from bench.chaos_traffic import Traffic, completion, family_prompt
 from bench.local_fleet import Fleet, wait_healthy
+from bench.probes import wait_for
 from tests.support.gateways import RunningGateway
-from tests.support.polling import wait_for
 
 REQUEST_TIMEOUT_S = 2.0
 HEALTH = {"interval_s": 0.2, "timeout_s": 0.5, "failures": 2, "load_interval_s": 0.05}
@@ -64,7 +64,7 @@ def test_a_stuck_replica_costs_no_request_more_than_the_timeout(
         assert REQUEST_TIMEOUT_S - 0.1 < waited < REQUEST_TIMEOUT_S + SLACK_S
         # Marked unhealthy within the health checks' bound (failures x (interval + timeout)).
         down = wait_for(
-            lambda: gateway.gw.replicas.get("s0").down_since, "s0 to be marked unhealthy", timeout=5
+            lambda: gateway.state.replicas.get("s0").down_since, "s0 to be marked unhealthy", timeout=5
         )
         bound = HEALTH["failures"] * (HEALTH["interval_s"] + HEALTH["timeout_s"])
         print(f"\ns0 unhealthy {down - stopped:.2f} s after SIGSTOP (bound {bound:.1f} s + slack)")
@@ -73,7 +73,7 @@ def test_a_stuck_replica_costs_no_request_more_than_the_timeout(
         moved = traffic.between(down + 0.5)
         stuck.proc.send_signal(signal.SIGCONT)
         resumed = time.monotonic()
-        wait_for(lambda: gateway.gw.replicas.get("s0").routable, "s0 to be routable again", timeout=5)
+        wait_for(lambda: gateway.state.replicas.get("s0").routable, "s0 to be routable again", timeout=5)
         back = time.monotonic() - resumed
         traffic.wait_for_requests(len(traffic.outcomes) + 20)
     outcomes = traffic.outcomes

@@ -49,7 +49,7 @@ def test_each_turn_is_predicted_to_hit_the_last_turns_prompt(
 ) -> None:
     backends = [recording_backend(f"b{i}") for i in range(3)]
     gateway = start_gateway([url for _, url in backends], models={MODEL: {}})
-    assert {r.kind for r in gateway.gw.replicas.all()} == {"openai"}, "approximate mode: no KV events"
+    assert {r.kind for r in gateway.state.replicas.all()} == {"openai"}, "approximate mode: no KV events"
     messages = [
         {"role": "system", "content": "You are the order desk of a hardware store. " * 10},
         {"role": "user", "content": "What did customer c0 order?"},

@@ -119,7 +119,7 @@ def test_every_protected_route_refuses_every_wrong_credential(
                 call(secured, route, header, workers), 401, "invalid_admin_token", f"{route} {name}"
             )
     # Nothing was done on the way: no replica drained, removed or added.
-    assert [(r.id, r.draining) for r in secured.gw.replicas.all()] == [("w0", False), ("w1", False)]
+    assert [(r.id, r.draining) for r in secured.state.replicas.all()] == [("w0", False), ("w1", False)]
 
 
 def test_the_right_credential_passes_everywhere(secured: RunningGateway, workers: list[SimWorker]) -> None:
@@ -202,7 +202,7 @@ def test_without_an_admin_token_admin_routes_open_only_on_loopback(
         auth={"api_keys_env": KEYS_ENV, "admin_token_env": ADMIN_ENV},
         listen={"host": host, "port": 8000},
     )
-    assert gateway.gw.config.listen == Listen(host=host, port=8000)
+    assert gateway.state.config.listen == Listen(host=host, port=8000)
     for route in ADMIN_ROUTES:
         for header in (None, f"Bearer {API_KEYS[0]}", "Bearer anything"):
             response = call(gateway, route, header, workers)

@@ -19,9 +19,9 @@ import orjson
 import pytest
 from aiohttp import web
 
+from bench.probes import wait_for
 from protocol.openai_responses import SSE_DONE, sse
 from tests.support.gateways import RunningGateway, foreign_backend
-from tests.support.polling import wait_for
 
 MODEL = "slow-close"
 CHUNKS = 5
@@ -56,10 +56,10 @@ def _counted(gateway: RunningGateway, status: str, replica: str) -> float:
     labels = {
         "model": MODEL if replica else "",
         "replica": replica,
-        "policy": gateway.gw.policy.name,
+        "policy": gateway.state.policy.name,
         "route": "completions",
     }
-    value = gateway.gw.metrics.registry.get_sample_value(
+    value = gateway.state.metrics.registry.get_sample_value(
         "prefixgate_gateway_requests_total", {**labels, "status": status}
     )
     return value or 0.0
@@ -73,7 +73,7 @@ def test_a_client_that_leaves_is_counted_once_with_its_replica(
     status: str,
 ) -> None:
     gateway = start_gateway([], wait_for=1, replicas=[{"url": slow_close_backend, "kind": "openai"}])
-    replica = gateway.gw.replicas.all()[0].id
+    replica = gateway.state.replicas.all()[0].id
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 8, "stream": True}
     with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=10) as response:
         assert response.status_code == 200
@@ -91,7 +91,7 @@ def test_a_client_that_leaves_is_counted_once_with_its_replica(
     # Not a second time without labels, as the middleware counts a client that left before routing.
     assert _counted(gateway, "499", "") == 0
     # The replica was not blamed for the client's leaving.
-    assert gateway.gw.replicas.get(replica).routable
+    assert gateway.state.replicas.get(replica).routable
 
 
 # Set by the test when the backend may end its stream.
@@ -118,7 +118,7 @@ def test_a_client_that_closes_as_the_stream_ends_is_counted_as_served(
     END_NOW.clear()
     with foreign_backend(MODEL, _ends_when_told) as url:
         gateway = start_gateway([], wait_for=1, replicas=[{"url": url, "kind": "openai"}])
-        replica = gateway.gw.replicas.all()[0].id
+        replica = gateway.state.replicas.all()[0].id
         body = orjson.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1, "stream": True})
         head = f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(body)}\r\n\r\n"
         with socket.create_connection(("127.0.0.1", gateway.server.port)) as client:
@@ -140,5 +140,5 @@ def test_a_client_that_closes_as_the_stream_ends_is_counted_as_served(
             lambda: _counted(gateway, "200", replica) >= 1, "a request counted with status 200", timeout=5
         )
         assert _counted(gateway, "499", replica) == 0
-        assert gateway.gw.replicas.get(replica).routable
+        assert gateway.state.replicas.get(replica).routable
     assert not [r for r in caplog.records if r.levelname == "ERROR"]

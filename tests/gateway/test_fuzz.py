@@ -326,7 +326,7 @@ def test_a_body_that_never_arrives_is_refused_in_time(small_gateway: RunningGate
     assert status_line == b"HTTP/1.1 408 Request Timeout"
     assert_openai_error(408, rest.partition(b"\r\n\r\n")[2], "truncated body")
     assert BODY_TIMEOUT_S - 0.1 < waited < BODY_TIMEOUT_S + 2
-    assert small_gateway.gw.inflight == 0
+    assert small_gateway.state.inflight == 0
 
 
 def test_the_fleet_still_serves_after_the_abuse(small_gateway: RunningGateway) -> None:

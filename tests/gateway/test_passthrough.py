@@ -182,7 +182,7 @@ def test_chat_requests_reach_the_backend_byte_for_byte_and_come_back_unchanged(
         parsed = raw.parse()
         assert [c.index for c in parsed.choices] == [0, 1, 2]
         assert parsed.choices[0].message.tool_calls[0].function.name == "get_weather"
-    assert replica == gateway.gw.replicas.all()[0].id
+    assert replica == gateway.state.replicas.all()[0].id
     assert len(backend.received) == 1
     got = backend.received[0]
     assert (got.method, got.target) == ("POST", "/v1/chat/completions")

@@ -154,7 +154,7 @@ def gateway_for(
     # Routing on what the workers cache: wait until every snapshot is in the index.
     deadline = time.monotonic() + 10
     for worker in fleet:
-        while gateway.gw.index.blocks_of(worker.id) < len(worker.cached):
+        while gateway.state.index.blocks_of(worker.id) < len(worker.cached):
             assert time.monotonic() < deadline, f"{worker.id}'s snapshot never reached the index"
             time.sleep(0.02)
     return gateway
@@ -166,7 +166,7 @@ def complete(gateway: RunningGateway, prompt: list[int], stream: bool = False) -
 
 
 def metric(gateway: RunningGateway, name: str, **labels: str) -> float:
-    return gateway.gw.metrics.registry.get_sample_value(name, labels) or 0.0
+    return gateway.state.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -193,7 +193,7 @@ def test_a_decode_worker_is_told_its_prefill_worker_beside_the_token_ids(
     pair = {"model": MODEL, "prefill": "p", "decode": "d"}
     assert metric(gateway, "prefixgate_gateway_pd_requests_total", **pair) == 1
     assert metric(gateway, "prefixgate_gateway_pd_transferred_tokens_total", **pair) == 384
-    assert not gateway.gw.replicas.get("p").inflight, "the prefill worker's part is over"
+    assert not gateway.state.replicas.get("p").inflight, "the prefill worker's part is over"
 
 
 def test_a_prompt_a_decode_worker_holds_goes_there_without_a_prefill_worker(
@@ -226,7 +226,7 @@ def test_a_failed_prefill_worker_is_marked_and_counted_and_the_request_served(
     response = complete(gateway, PROMPT, stream=True)
     assert response.status_code == 200 and "from d" in response.text
     assert response.headers["x-prefixgate-prefill-error"] == "connection refused"
-    assert gateway.gw.replicas.get("p").failures == 1
+    assert gateway.state.replicas.get("p").failures == 1
     assert metric(gateway, "prefixgate_gateway_pd_fallbacks_total", model=MODEL, prefill="p") == 1
 
 
@@ -264,7 +264,7 @@ def test_a_worker_from_before_roles_is_mixed_and_answers_unpaired(
     prefill = workers("p", "prefill")
     old = workers("old", None)
     gateway = gateway_for(start_gateway, prefill, old)
-    assert gateway.gw.replicas.get("old").role == "mixed"
+    assert gateway.state.replicas.get("old").role == "mixed"
     response = complete(gateway, PROMPT)
     assert response.headers["x-prefixgate-replica"] == "old"
     assert "prefixgate_prefill" not in old.bodies()[0] and prefill.received == []
@@ -283,7 +283,7 @@ def test_the_role_a_worker_announces_wins_over_the_config_and_the_log_says_so(
         replicas=[{"url": decode.url, "role": "prefill"}],
         models={MODEL: {"tokenizer": "default"}},
     )
-    assert gateway.gw.replicas.get("d").role == "decode"
+    assert gateway.state.replicas.get("d").role == "decode"
     assert any(
         "config says role prefill but the worker announces decode" in r.getMessage() for r in caplog.records
     )
@@ -298,7 +298,7 @@ def test_a_decode_worker_that_refuses_is_retried_on_the_next_pair(
     busy = workers("busy", "decode", running=5)
     gateway = gateway_for(start_gateway, holder, other, full, busy)
     deadline = time.monotonic() + 10
-    while gateway.gw.replicas.get("busy").load()[0] != 5:
+    while gateway.state.replicas.get("busy").load()[0] != 5:
         assert time.monotonic() < deadline, "the busy worker's load never arrived"
         time.sleep(0.02)
     response = complete(gateway, PROMPT)
@@ -309,4 +309,4 @@ def test_a_decode_worker_that_refuses_is_retried_on_the_next_pair(
     assert prefill_of(busy.bodies()[0]) == other.url
     assert response.headers["x-prefixgate-prefill-replica"] == "p2"
     assert metric(gateway, "prefixgate_gateway_retries_total", model=MODEL, reason="http_503") == 1
-    assert not any(gateway.gw.replicas.get(rid).inflight for rid in ("p1", "p2", "full", "busy"))
+    assert not any(gateway.state.replicas.get(rid).inflight for rid in ("p1", "p2", "full", "busy"))

@@ -14,11 +14,11 @@ import httpx
 import openai
 import pytest
 
+from bench.probes import wait_for
 from gateway.gateway_config import parse_config
 from gateway.http.app import create_app
 from protocol.disaggregation import TRANSFERRED_TOKENS_HEADER
 from protocol.transfer_auth import SECRET_ENV
-from tests.support.polling import wait_for
 from tests.support.servers import ServerThread
 from tests.support.workers import RunningWorker, idle, serve_worker, slow_down
 from workers.bundled_worker import Worker
@@ -34,7 +34,9 @@ SYSTEM = (
 
 
 @dataclass
-class Fleet:
+class PdFleet:
+    """The module's workers and gateway, served in this process (ServerThreads, not processes)."""
+
     prefill: RunningWorker
     decode: RunningWorker
     mixed: RunningWorker
@@ -48,14 +50,14 @@ SECRET = "a-test-kv-transfer-secret"
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[Fleet]:
+def fleet() -> Iterator[PdFleet]:
     # The fleet's KV transfer secret, where the gateway reads it; the workers are given it.
     with pytest.MonkeyPatch.context() as env:
         env.setenv(SECRET_ENV, SECRET)
         yield from _fleet()
 
 
-def _fleet() -> Iterator[Fleet]:
+def _fleet() -> Iterator[PdFleet]:
     loaded = load()
     servers: list[ServerThread] = []
     workers = {}
@@ -76,7 +78,7 @@ def _fleet() -> Iterator[Fleet]:
     servers.append(gateway)
     url = gateway.start()
     wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, "the gateway to be healthy", timeout=30)
-    yield Fleet(workers["prefill"], workers["decode"], workers["mixed"], url)
+    yield PdFleet(workers["prefill"], workers["decode"], workers["mixed"], url)
     for server in servers:
         server.stop()
 
@@ -96,7 +98,7 @@ def ask(client: openai.OpenAI, question: str) -> tuple[str, int, httpx.Headers]:
     )
 
 
-def test_paired_answers_are_the_mixed_workers_and_the_prompt_arrives_cached(fleet: Fleet) -> None:
+def test_paired_answers_are_the_mixed_workers_and_the_prompt_arrives_cached(fleet: PdFleet) -> None:
     via_gateway, direct = fleet.client(), fleet.client(fleet.mixed.url)
     for i, question in enumerate(("What does the gateway route by?", "Name one cache eviction order.")):
         text, cached, headers = ask(via_gateway, question)
@@ -116,7 +118,7 @@ def test_paired_answers_are_the_mixed_workers_and_the_prompt_arrives_cached(flee
     assert "prefixgate_worker_kv_transfer_received_bytes_total" in decode_metrics
 
 
-def test_a_client_leaving_mid_transfer_frees_both_pools(fleet: Fleet) -> None:
+def test_a_client_leaving_mid_transfer_frees_both_pools(fleet: PdFleet) -> None:
     slow_down(fleet.prefill, 0.5)
     reserved: list[int] = []
     watching = threading.Event()

@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from bench.probes import wait_for
 from bench.token_text import text_of
 from bench.vllm_fleet import (
     BLOCK_SIZE,
@@ -32,7 +33,6 @@ from bench.vllm_fleet import (
     vllm_fleet,
 )
 from gateway.forward.relay_headers import PREDICTED_CACHED_HEADER
-from tests.support.polling import wait_for
 
 SPEC = VllmSpec(count=1, num_blocks=48, max_model_len=1024, tools=True)
 # Seconds the gateway's index may take to reflect what vLLM published: events travel over loopback
@@ -42,7 +42,10 @@ SETTLED_S = 0.1
 
 
 @dataclass
-class Fleet:
+class GatewayOverVllm:
+    """The module's vLLM server and the gateway process in front of it: a record; bench.vllm_fleet
+    starts, restarts and stops them."""
+
     server: VllmServer
     gateway: str
     workdir: Path
@@ -56,16 +59,16 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayOverVllm]:
     workdir = tmp_path_factory.mktemp("vllm")
     with (
         vllm_fleet(SPEC, workdir) as servers,
         gateway(servers, SPEC, workdir, "prefix_aware", precise=True) as url,
     ):
-        yield Fleet(servers[0], url, workdir)
+        yield GatewayOverVllm(servers[0], url, workdir)
 
 
-def settle(fleet: Fleet) -> None:
+def settle(fleet: GatewayOverVllm) -> None:
     """Until the follower has applied no new batch for SETTLED_S: what vLLM published for the answer
     just received is in the index (it publishes after every engine step, before the answer ends)."""
     applied = fleet.replica()["kv_sync"]["batches_applied"]
@@ -78,7 +81,7 @@ def settle(fleet: Fleet) -> None:
 
 
 @pytest.fixture
-def empty(fleet: Fleet) -> Fleet:
+def empty(fleet: GatewayOverVllm) -> GatewayOverVllm:
     """The server's prefix cache emptied, and the gateway's index with it (AllBlocksCleared)."""
     reset_prefix_caches([fleet.server], SPEC.model)
     wait_for(
@@ -91,12 +94,12 @@ def empty(fleet: Fleet) -> Fleet:
     return fleet
 
 
-def tokens(fleet: Fleet, prompt: str) -> int:
+def tokens(fleet: GatewayOverVllm, prompt: str) -> int:
     body = {"model": SPEC.model, "prompt": prompt}
     return int(httpx.post(f"{fleet.server.url}/tokenize", json=body, timeout=10.0).json()["count"])
 
 
-def off_boundary(fleet: Fleet, words: list[int]) -> str:
+def off_boundary(fleet: GatewayOverVllm, words: list[int]) -> str:
     """The words as a prompt whose token count is not a multiple of the block size (one more word
     until it is not): vLLM never reuses a prompt's last token, so a prompt that ends on a block
     boundary is reported one block short of what it holds (test_block_boundary_prompt)."""
@@ -112,7 +115,7 @@ class Reuse:
     prompt_tokens: int
 
 
-def complete(fleet: Fleet, prompt: str) -> Reuse:
+def complete(fleet: GatewayOverVllm, prompt: str) -> Reuse:
     """One completion through the gateway, and what it says of the cache, once the index settled."""
     body = {"model": SPEC.model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
     response = httpx.post(f"{fleet.gateway}/v1/completions", json=body, timeout=60.0)
@@ -131,7 +134,7 @@ def documents(count: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1000, 30000) for _ in range(length)] for _ in range(count)]
 
 
-def test_precise_index_matches_what_vllm_reuses(empty: Fleet) -> None:
+def test_precise_index_matches_what_vllm_reuses(empty: GatewayOverVllm) -> None:
     """24 sequential requests over 4 documents of ~480 tokens (each ~15 blocks, four of them ~60,
     against a cache of 47 usable blocks), each with a question of its own: prefixes shared, and
     evicted in part or whole as the others come. The prediction equals vLLM's reuse every time."""
@@ -155,7 +158,7 @@ def test_precise_index_matches_what_vllm_reuses(empty: Fleet) -> None:
     assert evicted >= 2, reuses
 
 
-def test_block_boundary_prompt(empty: Fleet) -> None:
+def test_block_boundary_prompt(empty: GatewayOverVllm) -> None:
     """A prompt of a whole number of blocks, sent twice: vLLM holds them all but reuses all but the
     last, since it must compute at least the prompt's last token, and the gateway predicts as much."""
     doc = documents(1, 200, seed=2)[0]
@@ -170,7 +173,7 @@ def test_block_boundary_prompt(empty: Fleet) -> None:
     assert reuse.predicted == reuse.cached
 
 
-def test_index_follows_a_vllm_restart(empty: Fleet) -> None:
+def test_index_follows_a_vllm_restart(empty: GatewayOverVllm) -> None:
     """Held before the restart; after it (the publisher's numbering starts over, its replay buffer
     no longer holds what the gateway applied) the replica's entries are cleared: the gateway predicts
     nothing for the prefix it held, and matches vLLM again once the prefix is computed anew."""
@@ -238,7 +241,7 @@ CITY_SCHEMA = {
 }
 
 
-def clients(fleet: Fleet) -> tuple[openai.OpenAI, openai.OpenAI]:
+def clients(fleet: GatewayOverVllm) -> tuple[openai.OpenAI, openai.OpenAI]:
     """The official client through the gateway, and straight to vLLM."""
 
     def client(url: str) -> openai.OpenAI:
@@ -286,7 +289,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_passthrough_answers_as_vllm(fleet: Fleet, case: str) -> None:
+def test_passthrough_answers_as_vllm(fleet: GatewayOverVllm, case: str) -> None:
     """Each request through the gateway and straight to vLLM, each on an empty cache (a cached
     prefix changes the arithmetic, and with it the low bits of logprobs): the same answers."""
     kind, body = CASES[case]
@@ -303,7 +306,7 @@ def test_passthrough_answers_as_vllm(fleet: Fleet, case: str) -> None:
         assert direct["choices"][0]["message"]["content"].lstrip().startswith("{")
 
 
-def test_passthrough_stream_with_usage(fleet: Fleet) -> None:
+def test_passthrough_stream_with_usage(fleet: GatewayOverVllm) -> None:
     """A stream asking for usage gets vLLM's chunks, the usage chunk last, as vLLM sends them."""
     results = []
     for client in clients(fleet):

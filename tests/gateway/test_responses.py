@@ -49,7 +49,7 @@ def test_a_continued_response_lands_on_its_replica_across_gateways(
         previous = response.id
     assert len(set(owners)) == 1, f"every turn must be served where the conversation lives: {owners}"
     # The owner's record is shared: each gateway knows the responses the other produced.
-    assert all(gw.gw.response_owners.redis_errors == 0 for gw in gateways)
+    assert all(gw.state.response_owners.redis_errors == 0 for gw in gateways)
 
 
 def test_a_stored_response_is_read_where_it_lives(
@@ -66,7 +66,7 @@ def test_a_stored_response_is_read_where_it_lives(
         got = httpx.get(f"{gateway.url}/v1/responses/{created.id}")
         assert got.json()["backend"] == owner
         owner_url = next(url for backend, url in backends if backend.name == owner)
-        assert got.headers["x-prefixgate-replica"] == gateway.gw.replicas.by_url(owner_url).id
+        assert got.headers["x-prefixgate-replica"] == gateway.state.replicas.by_url(owner_url).id
     deleted = httpx.delete(f"{gateway.url}/v1/responses/{created.id}")
     assert deleted.json() == {"backend": owner, "path": f"/v1/responses/{created.id}", "method": "DELETE"}
 

@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.probes import wait_for
 from tests.support.gateways import PREFIX, SIM_MODEL, RunningGateway, SimWorker, complete
-from tests.support.polling import wait_for
 
 
 @pytest.fixture
@@ -31,12 +31,14 @@ def test_a_prefix_cached_through_a_is_routed_there_through_b(
     redis_url: str, redis_workers: list[SimWorker], start_gateway: Callable[..., RunningGateway]
 ) -> None:
     a, b = two_gateways(start_gateway, redis_url)
-    assert {r.source for r in b.gw.replicas.all()} == {"registry"}
+    assert {r.source for r in b.state.replicas.all()} == {"registry"}
     replica, predicted, _ = complete(a, [*PREFIX, 5, 6, 7])
     assert predicted == 0
     # B never saw that request: only the worker's KV events, through its Redis stream, tell it.
     wait_for(
-        lambda: b.gw.index.blocks_of(replica) >= len(PREFIX) // 16, "B's index to hold the prefix", timeout=5
+        lambda: b.state.index.blocks_of(replica) >= len(PREFIX) // 16,
+        "B's index to hold the prefix",
+        timeout=5,
     )
     again, predicted, cached = complete(b, [*PREFIX, 8, 9, 10, 11])
     assert again == replica
@@ -52,7 +54,7 @@ def test_load_placed_through_a_is_seen_by_b(
         lines = response.iter_lines()  # held: a dropped iterator closes the stream
         next(lines)
         busy = response.headers["x-prefixgate-replica"]
-        wait_for(lambda: b.gw.replicas.get(busy).load()[0] == 1, "B to see the running request", timeout=5)
+        wait_for(lambda: b.state.replicas.get(busy).load()[0] == 1, "B to see the running request", timeout=5)
         # So B's least-load choice avoids it.
         assert complete(b, [20_000 + i for i in range(64)])[0] != busy
 
@@ -65,10 +67,10 @@ def test_registry_replicas_join_and_leave_without_a_restart(
 ) -> None:
     gateway = start_gateway([], wait_for=3, redis={"url": redis_url, "poll_interval_s": 0.05})
     late = start_sim_worker("late", "--redis", redis_url, "--heartbeat", "0.2")
-    wait_for(lambda: "late" in gateway.gw.replicas, "the late worker to join", timeout=5)
+    wait_for(lambda: "late" in gateway.state.replicas, "the late worker to join", timeout=5)
     late.server.stop()  # graceful: it deregisters
-    wait_for(lambda: "late" not in gateway.gw.replicas, "the stopped worker to leave", timeout=5)
-    assert sorted(gateway.gw.index.replicas) == sorted(w.id for w in redis_workers)
+    wait_for(lambda: "late" not in gateway.state.replicas, "the stopped worker to leave", timeout=5)
+    assert sorted(gateway.state.index.replicas) == sorted(w.id for w in redis_workers)
 
 
 def test_approximate_predictions_are_shared_between_gateways(
@@ -78,6 +80,6 @@ def test_approximate_predictions_are_shared_between_gateways(
     a, b = two_gateways(start_gateway, redis_url, routing=routing)
     assert not a.gw.sync.states  # approximate mode follows no KV events
     replica, _, _ = complete(a, [*PREFIX, 1])
-    wait_for(lambda: b.gw.index.blocks_of(replica) > 0, "A's prediction to reach B", timeout=5)
+    wait_for(lambda: b.state.index.blocks_of(replica) > 0, "A's prediction to reach B", timeout=5)
     again, predicted, _ = complete(b, [*PREFIX, 2, 3])
     assert again == replica and predicted == 16 * (len(PREFIX) // 16)

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import yaml
 
+from bench.probes import wait_for
 from tests.support.gateways import SIM_MODEL, SimWorker
-from tests.support.polling import wait_for
 from tests.support.servers import free_port
 
 

@@ -66,7 +66,7 @@ def test_a_cross_site_form_post_adds_no_replica(tokenless: RunningGateway, worke
         f"{tokenless.url}/admin/replicas/w0/drain", headers={"Content-Type": "text/plain"}, timeout=10
     )
     _refused(drained, 415, "unsupported_media_type")
-    assert not tokenless.gw.replicas.get("w0").draining
+    assert not tokenless.state.replicas.get("w0").draining
 
 
 def test_dns_rebinding_is_refused(tokenless: RunningGateway, workers: list[SimWorker]) -> None:
@@ -165,4 +165,4 @@ def test_with_a_token_any_host_but_still_same_origin_and_json(
     _refused(plain, 415, "unsupported_media_type")
     untokened = httpx.get(f"{gateway.url}/admin/replicas", timeout=10)
     _refused(untokened, 401, "invalid_admin_token")
-    assert [r.id for r in gateway.gw.replicas.all()] == ["w0"]
+    assert [r.id for r in gateway.state.replicas.all()] == ["w0"]

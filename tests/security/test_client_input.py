@@ -155,7 +155,7 @@ def test_slow_bodies_hold_no_slot_others_need(
         assert status_line == b"HTTP/1.1 408 Request Timeout", reply[:300]
         assert_openai_error(408, rest.partition(b"\r\n\r\n")[2], "trickled body")
     assert time.monotonic() - started < BODY_TIMEOUT_S + 8
-    assert gateway.gw.inflight == 0
+    assert gateway.state.inflight == 0
     metrics = httpx.get(f"{gateway.url}/metrics", timeout=10).text
     assert 'status="408"' in metrics and 'status="429"' not in metrics
 
@@ -204,7 +204,7 @@ def test_json_nested_past_the_bound_is_a_400(
             assert response.status_code == 400, (where, response.status_code, response.text[:300])
             assert_openai_error(400, response.content, where)
             assert str(MAX_JSON_DEPTH) in response.json()["error"]["message"], response.text
-        assert [r.id for r in gateway.gw.replicas.all()] == ["w0"]
+        assert [r.id for r in gateway.state.replicas.all()] == ["w0"]
         assert worker.load()["running"] == 0
         ok = client.post("/v1/chat/completions", json=CHAT)
         assert ok.status_code == 200, ok.text

@@ -23,12 +23,12 @@ import orjson
 import pytest
 from aiohttp import web
 
+from bench.probes import wait_for
 from protocol.disaggregation import PREFILL_ERROR_HEADER, TRANSFERRED_TOKENS_HEADER
 from protocol.transfer_auth import grant, order_signature, push_signature
 from radix import block_hashes
 from tests.support.gateways import SIM_MODEL, SimWorker
 from tests.support.kv_stores import ArrayStore, filled
-from tests.support.polling import wait_for
 from tests.support.servers import ServerThread
 from workers.app_state import RUNTIME
 from workers.kv_transfer import MAGIC, NoKV, TransferError, TransferServer, send_blocks

@@ -19,11 +19,11 @@ import httpx
 import pytest
 import redis
 
+from bench.probes import wait_for
 from protocol.redis_keys import PREDICTIONS, WORKERS, kv_stream_key, load_key, worker_key
 from radix.hashing import block_hashes
 from radix.index import RadixIndex
 from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker
-from tests.support.polling import wait_for
 from tests.support.redis import private_redis
 from tests.support.servers import free_port
 
@@ -74,7 +74,7 @@ def rejected(gateway: RunningGateway, source: str) -> float:
 
 def assert_index_sound(gateway: RunningGateway) -> None:
     """The index's entry count is what its replicas hold: never negative, never adrift."""
-    index = gateway.gw.index
+    index = gateway.state.index
     assert len(index) == sum(index.blocks_of(r) for r in index.replicas)
 
 
@@ -131,7 +131,7 @@ def test_bad_registry_entries_and_load_keys_cost_only_themselves(
 
     gateway = gateway_on(start_gateway, redis_url, len(good) + len(quiet))
     time.sleep(0.3)  # a few more registry reads: none lets a bad entry in
-    assert sorted(r.id for r in gateway.gw.replicas.all()) == sorted(w.id for w in good + quiet)
+    assert sorted(r.id for r in gateway.state.replicas.all()) == sorted(w.id for w in good + quiet)
     for i in range(12):
         response = complete(gateway, [500 + i * 97 + j for j in range(40)])
         assert response.status_code == 200, response.text
@@ -141,7 +141,7 @@ def test_bad_registry_entries_and_load_keys_cost_only_themselves(
 
     # A worker that joins now is found as ever.
     late = worker(start_sim_worker, redis_url, "late")
-    wait_for(lambda: late.id in gateway.gw.replicas, "the late worker to join")
+    wait_for(lambda: late.id in gateway.state.replicas, "the late worker to join")
 
 
 def test_a_bad_kv_stream_entry_is_skipped_and_the_sync_goes_on(
@@ -177,7 +177,7 @@ def test_a_bad_kv_stream_entry_is_skipped_and_the_sync_goes_on(
     response = complete(gateway, prompt)
     assert response.status_code == 200, response.text
     hashes = block_hashes(prompt, 16, SIM_MODEL)
-    wait_for(lambda: all(gateway.gw.index.holds("kv-w", h) for h in hashes), "the good entry after them")
+    wait_for(lambda: all(gateway.state.index.holds("kv-w", h) for h in hashes), "the good entry after them")
     assert state.stream_id is not None and state.stream_id > last.decode()
     assert state.resyncs == 1, "skipped entries are no hole in the seqs"
     assert rejected(gateway, "kv_stream") >= len(bad)
@@ -217,7 +217,7 @@ def test_bad_prediction_entries_are_skipped_and_expiry_goes_on(
     good, far = [101, 102, 103], [104]
     client.xadd(PREDICTIONS, entry | {"expires_at": soon, "hashes": json.dumps(good)})
     client.xadd(PREDICTIONS, entry | {"expires_at": repr(time.time() + 1e9), "hashes": json.dumps(far)})
-    index = gateway.gw.index
+    index = gateway.state.index
     wait_for(lambda: all(index.holds("pred-w", h) for h in good + far), "the good predictions")
     assert not any(index.holds("pred-w", h) for h in range(11, 19)), "a bad entry reached the index"
     assert rejected(gateway, "predictions") >= len(bad)

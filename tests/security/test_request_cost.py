@@ -17,10 +17,10 @@ import orjson
 import pytest
 import redis
 
+from bench.probes import wait_for
 from protocol.models import load_tokenizer_spec
 from protocol.redis_keys import PREDICTIONS
 from tests.support.gateways import SIM_MODEL, RecordingBackend, RunningGateway, SimWorker
-from tests.support.polling import wait_for
 
 MILLION_IDS = [1 + (7 * i) % 49_000 for i in range(1_000_000)]
 # Made-up words, which SmolLM2's tokenizer splits into several tokens each and a words worker counts
@@ -74,11 +74,11 @@ def test_a_million_ids_are_forwarded_whole_and_recorded_and_published_by_their_h
     assert error["code"] == "context_length_exceeded"
     assert f"the prompt has {len(MILLION_IDS)} tokens" in error["message"]
 
-    limit = gateway.gw.config.limits.max_routed_tokens
+    limit = gateway.state.config.limits.max_routed_tokens
     assert limit == 131_072
-    assert gateway.gw.index.blocks_of("w") == limit // 16
+    assert gateway.state.index.blocks_of("w") == limit // 16
     client = redis.Redis.from_url(redis_url)
-    mine = gateway.gw.predictions.gateway_id.encode()
+    mine = gateway.state.predictions.gateway_id.encode()
 
     def published() -> list[dict[bytes, bytes]]:
         entries = client.xrevrange(PREDICTIONS, count=100)
@@ -114,7 +114,7 @@ def test_a_text_past_the_bound_routes_by_its_head_and_the_worker_tokenizes_it(
     # Tokenized whole by the gateway: its ids were attached, and the worker counted those.
     assert first.json()["usage"]["prompt_tokens"] == len(smol.encode(prefix))
     blocks = len(smol.encode(prefix)) // 16
-    wait_for(lambda: gateway.gw.index.blocks_of(holder) >= blocks, "the holder's KV events", timeout=5)
+    wait_for(lambda: gateway.state.index.blocks_of(holder) >= blocks, "the holder's KV events", timeout=5)
 
     long = prefix + " " + words(3000, seed=2)
     again = complete(long)
@@ -132,7 +132,7 @@ def test_long_prompts_never_hold_up_a_short_one(
     the event loop) for seconds, and a short request waited behind all of them."""
     backend, url = recording_backend("a")
     gateway = start_gateway([url], models={"foreign-m": {"tokenizer": "default"}})
-    wait_for(lambda: gateway.gw.tokenizers.is_loaded("foreign-m"), "the tokenizer", timeout=5)
+    wait_for(lambda: gateway.state.tokenizers.is_loaded("foreign-m"), "the tokenizer", timeout=5)
     finished: dict[str, float] = {}
     statuses: dict[str, int] = {}
 
@@ -148,7 +148,7 @@ def test_long_prompts_never_hold_up_a_short_one(
     ]
     for thread in bigs:
         thread.start()
-    wait_for(lambda: gateway.gw.inflight == 4, "the four long prompts to be in flight", timeout=20)
+    wait_for(lambda: gateway.state.inflight == 4, "the four long prompts to be in flight", timeout=20)
     chat("small", "What is the capital of France?")
     for thread in bigs:
         thread.join(timeout=60)

@@ -19,10 +19,10 @@ import msgspec
 import zmq
 from aiohttp import web
 
+from bench.probes import wait_for
 from protocol.vllm_kv_events import MAX_PAYLOAD_BYTES, REPLAY_END
 from radix.hashing import block_hashes
 from tests.support.gateways import SIM_MODEL, RunningGateway, foreign_backend
-from tests.support.polling import wait_for
 from tests.support.servers import distinct_ports
 
 BS = 16
@@ -113,7 +113,7 @@ def rejected(gateway: RunningGateway) -> float:
 
 
 def holds(gateway: RunningGateway, tokens: list[int]) -> bool:
-    index = gateway.gw.index
+    index = gateway.state.index
     return all(index.holds("vllm", h) for h in block_hashes(tokens, BS, SIM_MODEL))
 
 
@@ -177,5 +177,5 @@ def test_bad_messages_are_counted_and_the_next_good_event_is_applied(
         response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=10)
         assert response.status_code == 200
         assert response.headers["x-prefixgate-matched-blocks"] == "2"
-        index = gateway.gw.index
+        index = gateway.state.index
         assert len(index) == index.blocks_of("vllm") == 2

@@ -1,1 +1,2 @@
-"""Helpers shared by more than one test module: servers, fleets, workers, engines, polling."""
+"""Helpers shared by more than one test module: servers, fleets, workers, engines (polling is
+bench.probes' wait_for, which the benchmarks use too)."""

@@ -20,9 +20,10 @@ import openai
 from aiohttp import web
 from multidict import CIMultiDict
 
+from bench.probes import wait_for
 from gateway.gateway import Gateway
-from gateway.http.keys import GATEWAY
-from tests.support.polling import wait_for
+from gateway.gateway_state import GatewayState
+from gateway.http.keys import GATEWAY, STATE
 from tests.support.servers import ServerThread
 from workers.bundled_worker import Worker
 
@@ -52,6 +53,10 @@ class RunningGateway:
     def gw(self) -> Gateway:
         return self.app[GATEWAY]
 
+    @property
+    def state(self) -> GatewayState:
+        return self.app[STATE]
+
     def client(self, api_key: str = "none") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0)
 
@@ -61,7 +66,7 @@ class RunningGateway:
 
     def wait_routable(self, count: int, timeout: float = 10.0) -> None:
         wait_for(
-            lambda: sum(r.routable for r in self.gw.replicas.all()) == count,
+            lambda: sum(r.routable for r in self.state.replicas.all()) == count,
             f"the gateway to see {count} routable replicas",
             timeout=timeout,
             interval=0.05,

@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
+from bench.probes import wait_for
 from protocol.errors import RETRY_AFTER_S, ApiError
-from tests.support.polling import wait_for
 from tests.support.workers import StartWorker, load, random_ids, slow_down
 from tests.workers.worker_http import LONG, error_of, first_event
 from workers.admission import Admission

@@ -8,8 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from bench.probes import wait_for
 from protocol.openai_responses import usage_json
-from tests.support.polling import wait_for
 from tests.support.workers import RunningWorker, StartWorker, idle, load, random_ids, slow_down
 from tests.workers.worker_http import LONG, first_event, greedy
 from workers.completion_replies import Usage, engine_failed, token_decoder

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from bench.probes import wait_for
 from protocol.errors import ApiError
 from protocol.kv_events import EventBatch, apply_batches
-from tests.support.polling import wait_for
 from tests.support.workers import RunningWorker, StartWorker, idle, random_ids
 from tests.workers.worker_http import error_of, greedy
 from workers.engine.engine_core import EngineConfig

@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
+from bench.probes import wait_for
 from protocol.disaggregation import PREFILL_ERROR_HEADER, TRANSFERRED_TOKENS_HEADER
 from protocol.transfer_auth import grant, order_signature
 from radix.hashing import block_hashes
-from tests.support.polling import wait_for
 from tests.support.workers import RunningWorker, StartWorker, idle, random_ids, slow_down
 from workers.bundled_worker import Worker
 from workers.engine.engine_core import EngineConfig

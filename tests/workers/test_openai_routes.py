@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
+from bench.probes import wait_for
 from protocol.errors import ApiError
-from tests.support.polling import wait_for
 from tests.support.workers import RunningWorker, StartWorker, idle, random_ids
 from tests.workers.worker_http import error_of, greedy
 from workers.bundled_worker import Worker

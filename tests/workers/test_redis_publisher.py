@@ -6,12 +6,14 @@ the outage."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -22,9 +24,9 @@ import httpx
 import pytest
 import redis
 
+from bench.probes import wait_for
 from protocol.kv_events import EventBatch, apply_batches
 from protocol.redis_keys import WORKERS, kv_stream_key, load_key, worker_key
-from tests.support.polling import wait_for
 from tests.support.publishers import BLOCK_SIZE, PublishedWorker, StartWorker
 from tests.support.redis import start_redis_server
 from tests.support.servers import ServerThread, free_port
@@ -35,6 +37,9 @@ from workers.sim.profiles import CPU_SMOLLM2
 from workers.sim.runner import RealClock, SimClock, VirtualClock
 from workers.sim.sim_engine import SimEngine
 from workers.worker_app import create_app
+
+# The publisher's background tasks, as its log lines name them.
+TASKS = ("heartbeat", "load report", "event stream")
 
 
 @pytest.fixture
@@ -270,9 +275,16 @@ def test_d_load_reports_follow_running_requests(r: redis.Redis, start: StartWork
     assert 0 < r.pttl(key) <= 1000
 
 
+def logged(caplog: pytest.LogCaptureFixture, outcome: str) -> Counter[str]:
+    """How many lines each background task logged saying `outcome` ("failed", "works again")."""
+    lines = [r.getMessage() for r in caplog.records]
+    return Counter(task for line in lines for task in TASKS if line.startswith(f"redis: {task} {outcome}"))
+
+
 def test_the_worker_serves_through_a_redis_outage_and_publishes_once_it_returns(
-    start: StartWorker, tmp_path: Path
+    start: StartWorker, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="prefixgate.worker.redis")
     port = free_port()
     worker = start("w-outage", url=f"redis://127.0.0.1:{port}/0", heartbeat_s=0.2)
     began = time.monotonic()
@@ -280,6 +292,8 @@ def test_the_worker_serves_through_a_redis_outage_and_publishes_once_it_returns(
         worker.complete(list(range(4000 + i, 4012 + i)), max_tokens=2)
     assert httpx.get(f"{worker.url}/load").json()["kv_blocks_total"] == 64
     assert time.monotonic() - began < 3, "Redis being down slowed requests"
+    time.sleep(0.6)  # every task retries a few times (0.1 s, then 0.2 s apart)
+    assert logged(caplog, "failed") == dict.fromkeys(TASKS, 1), "one line per outage, not per attempt"
     proc = start_redis_server(port, tmp_path)
     try:
         back = redis.Redis(port=port, decode_responses=True)
@@ -290,6 +304,8 @@ def test_the_worker_serves_through_a_redis_outage_and_publishes_once_it_returns(
         consumer.poll()
         assert consumer.resyncs == 0 and consumer.cached == worker.sim.block_manager.cached_hashes()
         back.close()
+        wait_for(lambda: logged(caplog, "works again") == dict.fromkeys(TASKS, 1), "every task to recover")
+        assert logged(caplog, "failed") == dict.fromkeys(TASKS, 1)
     finally:
         proc.terminate()
         proc.wait(10)

@@ -8,10 +8,10 @@ import time
 
 import redis.asyncio as aioredis
 
+from bench.probes import wait_for_async
 from gateway.fleet.predictions import Predictions
 from protocol.redis_keys import PREDICTIONS
 from radix.index import RadixIndex
-from tests.support.polling import wait_for_async
 
 TTL_S = 30.0
 

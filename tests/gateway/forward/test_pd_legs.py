@@ -267,7 +267,7 @@ def _send(
 
 
 def _metric(gateway: RunningGateway, name: str, **labels: str) -> float:
-    return gateway.gw.metrics.registry.get_sample_value(name, labels) or 0.0
+    return gateway.state.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -283,8 +283,8 @@ def test_vllm_prefill_then_decode_with_its_kv_transfer_params(
     assert prefill.request_ids[0] == decode.request_ids[0] and uuid.UUID(prefill.request_ids[0])
     headers = raw.headers
     assert headers["x-prefixgate-policy"] == "pd"
-    assert headers["x-prefixgate-replica"] == gateway.gw.replicas.by_url(decode.url).id
-    assert headers["x-prefixgate-prefill-replica"] == gateway.gw.replicas.by_url(prefill.url).id
+    assert headers["x-prefixgate-replica"] == gateway.state.replicas.by_url(decode.url).id
+    assert headers["x-prefixgate-prefill-replica"] == gateway.state.replicas.by_url(prefill.url).id
     pair = {
         "model": MODEL,
         "prefill": headers["x-prefixgate-prefill-replica"],
@@ -325,7 +325,7 @@ def test_a_failed_vllm_prefill_is_retried_on_the_next_pair(fleet: Callable[..., 
     assert text == "".join(TEXT)
     assert len(prefill.received) == 2, "the second attempt's prefill request"
     assert sorted(len(d.received) for d in decodes) == [0, 1], "no decode request for the failed attempt"
-    pid = gateway.gw.replicas.by_url(prefill.url).id
+    pid = gateway.state.replicas.by_url(prefill.url).id
     assert _metric(gateway, "prefixgate_gateway_upstream_errors_total", replica=pid, kind="http_500") == 1
     assert _metric(gateway, "prefixgate_gateway_retries_total", model=MODEL, reason="http_500") == 1
 
@@ -345,7 +345,7 @@ def test_a_vllm_prefill_answer_without_params_leaves_the_decode_to_compute_the_p
     prefill.hands_params = False
     text, _ = _send(gateway, [prefill, decode], stream=True)
     assert text == "".join(TEXT) and decode.received == [decode.expect]
-    pid = gateway.gw.replicas.by_url(prefill.url).id
+    pid = gateway.state.replicas.by_url(prefill.url).id
     assert _metric(gateway, "prefixgate_gateway_pd_fallbacks_total", model=MODEL, prefill=pid) == 1
 
 
@@ -356,7 +356,7 @@ def test_sglang_pair_gets_one_bootstrap_room_at_once(fleet: Callable[..., Any], 
     assert text == "".join(TEXT)
     (sent_p,), (sent_d,) = prefill.received, decode.received
     assert sent_p == sent_d, "the prefill server gets the decode server's request"
-    assert raw.headers["x-prefixgate-prefill-replica"] == gateway.gw.replicas.by_url(prefill.url).id
+    assert raw.headers["x-prefixgate-prefill-replica"] == gateway.state.replicas.by_url(prefill.url).id
     # Another request, another room.
     _send(gateway, [prefill, decode], stream)
     assert len(prefill.rooms) == 2

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import httpx
 
+from bench.probes import wait_for
 from tests.support.gateways import PREFIX, SIM_MODEL, RunningGateway, SimWorker, complete
-from tests.support.polling import wait_for
 
 
 def test_drain_remove_and_add_back(
@@ -27,8 +27,8 @@ def test_drain_remove_and_add_back(
     assert "w0" in {complete(gateway, [9000 + 64 * i + j for j in range(64)])[0] for i in range(6)}
 
     removed = gateway.admin("DELETE", "/admin/replicas/w1")
-    assert removed.status_code == 200 and "w1" not in gateway.gw.replicas
-    assert "w1" not in gateway.gw.index.replicas
+    assert removed.status_code == 200 and "w1" not in gateway.state.replicas
+    assert "w1" not in gateway.state.index.replicas
     assert gateway.admin("DELETE", "/admin/replicas/w1").status_code == 404
     assert complete(gateway, PREFIX)[0] == "w0"
 
@@ -44,7 +44,7 @@ def test_debug_route_explains_the_choice(
 ) -> None:
     gateway = start_gateway([start_sim_worker(f"w{i}").url for i in range(2)])
     served, _, _ = complete(gateway, PREFIX)
-    wait_for(lambda: gateway.gw.index.blocks_of(served) >= len(PREFIX) // 16, "the KV events", timeout=5)
+    wait_for(lambda: gateway.state.index.blocks_of(served) >= len(PREFIX) // 16, "the KV events", timeout=5)
     explained = gateway.admin(
         "POST", "/debug/route", json={"model": SIM_MODEL, "prompt": [*PREFIX, 1, 2, 3]}
     ).json()
@@ -68,7 +68,7 @@ def test_a_foreign_backend_is_routed_by_predictions(
     gateway = start_gateway(
         [], wait_for=3, replicas=[{"url": w.url, "kind": "openai", "block_size": 16} for w in workers]
     )
-    assert {r.kind for r in gateway.gw.replicas.all()} == {"openai"} and not gateway.gw.sync.states
+    assert {r.kind for r in gateway.state.replicas.all()} == {"openai"} and not gateway.gw.sync.states
     first, predicted, _ = complete(gateway, [*PREFIX, 1])
     assert predicted == 0
     again, predicted, cached = complete(gateway, [*PREFIX, 2, 3])

@@ -45,12 +45,12 @@ def test_a_shared_prefix_goes_where_it_is_cached(fleet: tuple[RunningGateway, li
     assert first.usage.prompt_tokens > 100 and first.usage.prompt_tokens_details.cached_tokens == 0
     assert int(h1["x-prefixgate-predicted-cached-tokens"]) == 0
     # The model's wait on an idle fleet that has learned nothing: the whole prompt at the prior rate.
-    prior = gateway.gw.config.learning.prefill_rate_prior
+    prior = gateway.state.config.learning.prefill_rate_prior
     assert int(h1["x-prefixgate-predicted-ttft-ms"]) == round(1000 * first.usage.prompt_tokens / prior)
     # The KV events reach the gateway's index over HTTP; the next request sharing the system prompt
     # must follow them to the same replica and be served mostly from its cache.
     deadline = time.monotonic() + 5
-    while gateway.gw.index.blocks_of(h1["x-prefixgate-replica"]) == 0:
+    while gateway.state.index.blocks_of(h1["x-prefixgate-replica"]) == 0:
         assert time.monotonic() < deadline, "the KV events never reached the gateway's index"
         time.sleep(0.02)
     second, h2 = chat(gateway, "When do you close on Sundays?")
@@ -245,7 +245,7 @@ def test_a_dead_replica_is_skipped_and_marked_unhealthy(
         )
         assert raw.headers["x-prefixgate-replica"] == "w1"
     deadline = time.monotonic() + 5
-    while gateway.gw.replicas.get("w0").healthy:
+    while gateway.state.replicas.get("w0").healthy:
         assert time.monotonic() < deadline, "the dead replica stayed healthy"
         time.sleep(0.05)
     health = httpx.get(f"{gateway.url}/health").json()
@@ -290,7 +290,7 @@ def test_a_client_that_leaves_aborts_the_request_upstream(
     while (load := served.load())["running"] or load["waiting"]:
         assert time.monotonic() < deadline, f"the upstream request kept running: {load}"
         time.sleep(0.05)
-    assert not gateway.gw.replicas.get(served.id).inflight
+    assert not gateway.state.replicas.get(served.id).inflight
 
 
 def test_requests_in_flight_are_counted_in_the_load_the_policy_sees(
@@ -302,7 +302,7 @@ def test_requests_in_flight_are_counted_in_the_load_the_policy_sees(
         rid = response.headers["x-prefixgate-replica"]
         lines = response.iter_lines()  # held: a dropped iterator closes the stream
         next(lines)
-        replica = gateway.gw.replicas.get(rid)
+        replica = gateway.state.replicas.get(rid)
         assert len(replica.inflight) == 1
         deadline = time.monotonic() + 5
         while replica.load()[0] < 1:

@@ -19,11 +19,11 @@ import httpx
 import pytest
 import redis
 
+from bench.probes import wait_for_async
 from gateway.sync.bundled_events import IndexSync, follow_http, follow_redis
 from gateway.sync.state import SyncState, Transport
 from protocol.redis_keys import kv_stream_key
 from radix.index import RadixIndex
-from tests.support.polling import wait_for_async
 from tests.support.publishers import BLOCK_SIZE, PublishedWorker, StartWorker
 from tests.support.redis import start_redis_server
 from tests.support.servers import ServerThread, free_port

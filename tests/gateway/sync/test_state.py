@@ -1,8 +1,8 @@
-"""A follower's state, the same shape for every transport, and its retry delays."""
+"""A follower's state, the same shape for every transport."""
 
 from __future__ import annotations
 
-from gateway.sync.state import Backoff, SyncState
+from gateway.sync.state import SyncState
 
 
 def test_lag_counts_from_the_oldest_change_missed_and_a_failure_keeps_it() -> None:
@@ -30,10 +30,3 @@ def test_every_transport_reports_the_same_fields() -> None:
         False,
     )
     assert (rows[1]["incarnation"], rows[1]["seq"], rows[1]["synced"]) == ("abc", 4, True)
-
-
-def test_backoff_doubles_to_its_bound_and_a_success_resets_it() -> None:
-    backoff = Backoff(first_s=0.1, most_s=0.5)
-    assert [backoff.failed() for _ in range(5)] == [0.1, 0.2, 0.4, 0.5, 0.5]
-    backoff.succeeded()
-    assert backoff.failed() == 0.1

@@ -27,13 +27,13 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from bench.probes import wait_for, wait_for_async
 from gateway.sync.state import SyncState
 from gateway.sync.zmq_events import ZmqSettings, ZmqSource, ZmqSync
 from prefixgate.cli import build_parser
 from radix.hashing import block_hashes, chain_hashes, root_hash
 from radix.index import RadixIndex
 from tests.support.gateways import SIM_MODEL, RunningGateway, foreign_backend
-from tests.support.polling import wait_for, wait_for_async
 from tests.support.servers import ServerThread, distinct_ports
 from workers.app_state import RUNTIME
 from workers.worker_app import create_app
@@ -466,7 +466,7 @@ def on_loop(gateway: RunningGateway, read: Callable[[], Any]) -> Any:
 def exact(gateway: RunningGateway, worker: WorkerProcess) -> bool:
     """The gateway's index for the worker is the worker's cached set, no more and no less."""
     hashes = snapshot(worker.url)["hashes"]
-    index = gateway.gw.index
+    index = gateway.state.index
     return on_loop(
         gateway,
         lambda: index.blocks_of(worker.id) == len(hashes) and all(index.holds(worker.id, h) for h in hashes),
@@ -482,7 +482,7 @@ def test_a_gateway_follows_foreign_worker_processes_exactly_through_a_restart(
     gateway = start_gateway([], wait_for=2, replicas=[w.entry for w in workers])
     states = gateway.gw.zmq_sync.states
     assert set(states) == {"zmq-a", "zmq-b"} and not gateway.gw.sync.states, "ZMQ, not HTTP or Redis"
-    assert all(on_loop(gateway, lambda r=r: gateway.gw.precise(r)) for r in gateway.gw.replicas.all())
+    assert all(on_loop(gateway, lambda r=r: r.precise) for r in gateway.state.replicas.all())
 
     prompts = family_prompts(3, 100)
     distinct = {h for p in prompts for h in block_hashes(p, BS, SIM_MODEL)}
@@ -512,7 +512,7 @@ def test_a_gateway_follows_foreign_worker_processes_exactly_through_a_restart(
         timeout=20,
         interval=0.05,
     )
-    assert not any(on_loop(gateway, lambda h=h: gateway.gw.index.holds("zmq-a", h)) for h in before)
+    assert not any(on_loop(gateway, lambda h=h: gateway.state.index.holds("zmq-a", h)) for h in before)
     gateway.wait_routable(2, timeout=20)
     completions(gateway.url, family_prompts(4, 40), SIM_MODEL)
     for worker in workers:
@@ -577,7 +577,7 @@ def test_the_admin_api_and_the_metrics_show_a_zmq_follower(
         body = {"model": SIM_MODEL, "prompt": [*tokens, *range(1, 33)], "max_tokens": 1}
         response = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=10)
         assert response.headers["x-prefixgate-matched-blocks"] == "4"
-        assert on_loop(gateway, lambda: gateway.gw.index.blocks_of("vllm")) == 4, "no prediction added"
+        assert on_loop(gateway, lambda: gateway.state.index.blocks_of("vllm")) == 4, "no prediction added"
         listed = gateway.admin("GET", "/admin/replicas", token="secret").json()["replicas"]
         kv_sync = listed[0]["kv_sync"]
         assert (kv_sync["transport"], kv_sync["synced"], kv_sync["resyncs"]) == ("zmq", True, 1)

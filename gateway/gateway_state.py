@@ -1,0 +1,78 @@
+"""What a request needs of the gateway, and nothing it does not (docs/design.md §2.1).
+
+A request reads the config in force, the replicas and what they are known to hold, the policy that
+chooses among them, and writes back what its answer taught: load, first-token times, predictions,
+the owner of a stored response. It never starts a replica's KV follower, probes one, or reloads the
+config: that is the lifecycle's (gateway.gateway.Gateway), which owns this state and keeps it current
+on the same event loop — hence no locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from gateway.fleet.predictions import Predictions
+from gateway.fleet.replicas import Replica, ReplicaSet
+from gateway.fleet.response_owners import ResponseOwners
+from gateway.forward.tokenizers import Tokenizers
+from gateway.forward.upstream_client import UpstreamClient
+from gateway.gateway_config import GatewayConfig
+from gateway.gateway_metrics import GatewayMetrics
+from policies import Policy, PrefillDecode, build_pd, build_policy
+from policies.least_load import LeastLoad
+from radix import RadixIndex
+
+log = logging.getLogger("prefixgate.gateway")
+
+# Predicted and exact entries together stay under this many (hash, replica) pairs.
+INDEX_MAX_ENTRIES = 4_000_000
+
+
+@dataclass
+class GatewayState:
+    config: GatewayConfig
+    gateway_id: str
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    replicas: ReplicaSet = field(default_factory=ReplicaSet)
+    index: RadixIndex = field(default_factory=lambda: RadixIndex(INDEX_MAX_ENTRIES))
+    policy: Policy = field(init=False)
+    # Models served by prefill and decode replicas are routed in pairs (policies.pd).
+    pd: PrefillDecode = field(init=False)
+    # Routes with no prompt to match (embeddings, scoring, any other /v1 route) go by load.
+    by_load: Policy = field(default_factory=LeastLoad)
+    tokenizers: Tokenizers = field(init=False)
+    # Made when the gateway starts, on its loop (they hold connections and tasks).
+    upstream: UpstreamClient = field(init=False)
+    predictions: Predictions = field(init=False)
+    response_owners: ResponseOwners = field(init=False)
+    # Generation requests in the gateway now, from arrival to the end of the response.
+    inflight: int = 0
+
+    def __post_init__(self) -> None:
+        self.configure(self.config)
+        self.tokenizers = tokenizers_of(self.config)
+
+    def configure(self, config: GatewayConfig) -> None:
+        """The config and the policies made from it (a reload swaps the tokenizers itself, once the
+        new ones are loaded)."""
+        self.config = config
+        self.policy = build_policy(config.routing)
+        self.pd = build_pd(config.routing)
+
+    @property
+    def approximate_everywhere(self) -> bool:
+        """`prefix_aware.mode: approximate` predicts every replica's cache, even bundled ones'."""
+        return self.config.routing.prefix_aware.mode == "approximate"
+
+    def mark_failure(self, replica: Replica) -> None:
+        replica.failures += 1
+        if replica.failures >= self.config.health.failures and replica.healthy:
+            replica.healthy = False
+            replica.down_since = time.monotonic()
+            log.warning("replica %s is unhealthy after %d failures", replica.id, replica.failures)
+
+
+def tokenizers_of(config: GatewayConfig) -> Tokenizers:
+    return Tokenizers({name: m.tokenizer for name, m in config.models.items()})
