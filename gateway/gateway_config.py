@@ -164,6 +164,9 @@ class Limits(_Section):
     # about half a second of one core). The replica gets the whole prompt, and judges its length.
     max_routed_tokens: int = Field(131_072, ge=16)
     max_tokenized_chars: int = Field(524_288, ge=1024)
+    # Per model, the token ids of prompt prefixes seen lately, so that a conversation's next turn is
+    # tokenized only where it grew (gateway.forward.prefix_cache); 0 turns the cache off.
+    tokenizer_cache_mib: int = Field(64, ge=0)
 
 
 class Health(_Section):

@@ -8,12 +8,16 @@ objects, so they can never drift from what routing actually sees.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import Metric as MetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
+from gateway.forward.prefix_cache import CacheStats
 from gateway.rejections import Rejections
 from protocol.serving import LATENCY_BUCKETS
 
@@ -216,6 +220,11 @@ class GatewayMetrics:
             _remove(gauge, replica_id)
         _remove(self.replica_healthy, replica_id, model)
 
+    def watch_prefix_caches(self, stats: Callable[[], Mapping[str, CacheStats]]) -> None:
+        """Export the tokenizers' prefix-cache counts, read from `stats` at each scrape: the caches
+        count on the tokenizer threads themselves, so the request path touches no metric for them."""
+        self.registry.register(_PrefixCacheCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -223,3 +232,39 @@ class GatewayMetrics:
 def _remove(gauge: Gauge, *labels: str) -> None:
     with contextlib.suppress(KeyError):  # never set: nothing to forget
         gauge.remove(*labels)
+
+
+class _PrefixCacheCollector:
+    """Per model, its tokenizer's prefix-cache counts since that tokenizer loaded (a reload starts
+    them again, which Prometheus reads as a counter reset)."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, CacheStats]]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[MetricFamily]:
+        return []  # no fixed samples to check against other collectors at registration
+
+    def collect(self) -> Iterator[MetricFamily]:
+        lookups = CounterMetricFamily(
+            "prefixgate_gateway_tokenizer_cache_lookups",
+            "Prompts tokenized through the model's prefix cache, by outcome: hit (a known prefix's ids "
+            "reused) or miss",
+            labels=("model", "outcome"),
+        )
+        tokens = CounterMetricFamily(
+            "prefixgate_gateway_tokenizer_cache_tokens",
+            "Prompt token ids by source: cache (a known prefix's) or tokenized",
+            labels=("model", "source"),
+        )
+        held = GaugeMetricFamily(
+            "prefixgate_gateway_tokenizer_cache_bytes",
+            "Bytes the model's prefix cache holds (bounded by limits.tokenizer_cache_mib)",
+            labels=("model",),
+        )
+        for model, s in self._stats().items():
+            lookups.add_metric((model, "hit"), s.hits)
+            lookups.add_metric((model, "miss"), s.misses)
+            tokens.add_metric((model, "cache"), s.reused_tokens)
+            tokens.add_metric((model, "tokenized"), s.tokenized_tokens)
+            held.add_metric((model,), s.bytes)
+        yield from (lookups, tokens, held)

@@ -53,6 +53,8 @@ class GatewayState:
     def __post_init__(self) -> None:
         self.configure(self.config)
         self.tokenizers = tokenizers_of(self.config)
+        # Read through self at each scrape: a reload swaps the tokenizers.
+        self.metrics.watch_prefix_caches(lambda: self.tokenizers.cache_stats())
 
     def configure(self, config: GatewayConfig) -> None:
         """The config and the policies made from it (a reload swaps the tokenizers itself, once the
@@ -75,4 +77,5 @@ class GatewayState:
 
 
 def tokenizers_of(config: GatewayConfig) -> Tokenizers:
-    return Tokenizers({name: m.tokenizer for name, m in config.models.items()})
+    specs = {name: m.tokenizer for name, m in config.models.items()}
+    return Tokenizers(specs, cache_bytes=config.limits.tokenizer_cache_mib * 2**20)

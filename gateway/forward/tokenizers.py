@@ -30,10 +30,11 @@ from dataclasses import dataclass
 
 import orjson
 
+from gateway.forward.prefix_cache import CacheStats, PrefixCache
 from gateway.forward.request_view import RequestView, prompt_ids
 from gateway.gateway_config import Limits
 from protocol.models import load_tokenizer_spec
-from protocol.tokenizer import HeadTokenizer, Tokenizer
+from protocol.tokenizer import ChatTemplateError, HeadTokenizer, Tokenizer
 
 log = logging.getLogger("prefixgate.gateway.tokenizers")
 
@@ -43,9 +44,16 @@ SHORT_PROMPT_CHARS = 32_768
 # Long prompts waiting or being tokenized at most (about max_tokenized_chars each: a few seconds in all).
 LONG_QUEUE = 8
 
-# A conversation through the template and the encoder once, so that the first request finds both warm.
+# A conversation through the template and the encoder once, so that the first request finds both warm;
+# rendered, the sample on which a tokenizer's prefix cache is checked (gateway.forward.prefix_cache).
 _WARM_UP = RequestView(
-    "chat", messages=[{"role": "system", "content": "warm-up"}, {"role": "user", "content": "Hello!"}]
+    "chat",
+    messages=[
+        {"role": "system", "content": "You are a warm-up. " * 12},
+        {"role": "user", "content": "Hello! How are you today?"},
+        {"role": "assistant", "content": "Very well, thank you. And you?"},
+        {"role": "user", "content": "Fine. Tell me about tokenizers."},
+    ],
 )
 
 
@@ -61,9 +69,12 @@ class Prompt:
 
 
 class Tokenizers:
-    def __init__(self, specs: dict[str, str], default_spec: str = "default") -> None:
+    def __init__(self, specs: dict[str, str], *, cache_bytes: int, default_spec: str = "default") -> None:
         self._specs = dict(specs)
         self._default = default_spec
+        self._cache_bytes = cache_bytes
+        # Per loaded model, the ids of the prompt prefixes it saw last (None: that tokenizer has none).
+        self._caches: dict[str, PrefixCache | None] = {}
         # Loaded (None: `tokenizer: none`, or a default that could not be loaded).
         self._loaded: dict[str, Tokenizer | None] = {}
         self._loading: dict[str, Future[None]] = {}
@@ -101,6 +112,7 @@ class Tokenizers:
             tokenizer = load_tokenizer_spec(spec)
             if tokenizer is not None:
                 prompt_ids(_WARM_UP, tokenizer)
+                self._caches[model] = _prefix_cache(tokenizer, self._cache_bytes)
         except Exception as error:  # any failure leaves the model routed by load, loudly
             self.errors[model] = f"{type(error).__name__}: {error}"
             log.error("tokenizer %r of model %r failed to load; routing it by load: %s", spec, model, error)
@@ -120,7 +132,8 @@ class Tokenizers:
             if model not in self._loaded:
                 self.ensure(model)
             return None
-        head = HeadTokenizer.of(tokenizer, limits.max_tokenized_chars)
+        cache = self._caches.get(model)
+        head = HeadTokenizer.of(tokenizer, limits.max_tokenized_chars, cache.encode if cache else None)
         loop = asyncio.get_running_loop()
         if _chars(view) <= SHORT_PROMPT_CHARS:
             ids = await loop.run_in_executor(self._short, prompt_ids, view, head)
@@ -149,9 +162,23 @@ class Tokenizers:
                 out[model] = "loaded" if self._loaded[model] is not None else "none"
         return out
 
+    def cache_stats(self) -> dict[str, CacheStats]:
+        """Per model with a prefix cache: its counts so far."""
+        return {model: cache.stats for model, cache in self._caches.items() if cache is not None}
+
     def close(self) -> None:
         for pool in (self._short, self._long):
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _prefix_cache(tokenizer: Tokenizer, max_bytes: int) -> PrefixCache | None:
+    """The tokenizer's prefix cache, checked on the warm-up conversation as its template renders it."""
+    assert _WARM_UP.messages is not None
+    try:
+        sample = tokenizer.render_chat(_WARM_UP.messages)
+    except ChatTemplateError:
+        return None
+    return PrefixCache.of(tokenizer.backend, sample, max_bytes)
 
 
 def _head(ids: list[int], count: int) -> list[int]:

@@ -19,7 +19,7 @@ LIMITS = Limits(max_routed_tokens=256, max_tokenized_chars=4096)
 
 @pytest.fixture(scope="module")
 def tokenizers() -> Iterator[Tokenizers]:
-    loaded = Tokenizers({MODEL: "default"})
+    loaded = Tokenizers({MODEL: "default"}, cache_bytes=2**20)
     asyncio.run(loaded.load([MODEL]))
     yield loaded
     loaded.close()
