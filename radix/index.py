@@ -17,6 +17,7 @@ model and its evidence are radix.capacity's; the LRU it acts on is this index's.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -49,8 +50,12 @@ class RadixIndex:
         self._names: list[str | None] = []
         self._free_bits: list[int] = []
         self._entries = 0
-        # (expiry, hash, replica) for entries with a finite expiry; stale rows are skipped lazily.
-        self._deadlines: list[tuple[float, int, str]] = []
+        # One row per timed insert, (expiry, order, replica, hashes): a prompt's hundreds of blocks
+        # cost one heap push, not one each. An entry refreshed or removed since leaves its hash in an
+        # old row, skipped lazily; `_deadline_refs` counts the hashes the rows hold.
+        self._deadlines: list[tuple[float, int, str, tuple[int, ...]]] = []
+        self._deadline_order = itertools.count()
+        self._deadline_refs = 0
         self._timed = 0
 
     # -- replicas ---------------------------------------------------------------------------
@@ -152,7 +157,7 @@ class RadixIndex:
             while self._entries > self.max_entries:
                 largest = max(self._replicas.items(), key=lambda item: len(item[1].blocks))
                 self._evict_oldest(*largest, ghost=False)
-        if len(self._deadlines) > 2 * self._timed + 1024:
+        if self._deadline_refs > 2 * self._timed + 1024:
             self._compact_deadlines()
 
     def remove(self, replica: str, hashes: Iterable[int]) -> None:
@@ -204,14 +209,18 @@ class RadixIndex:
         deadlines = self._deadlines
         dropped = 0
         while deadlines and deadlines[0][0] <= now:
-            expiry, h, replica = heapq.heappop(deadlines)
+            expiry, _, replica, hashes = heapq.heappop(deadlines)
+            self._deadline_refs -= len(hashes)
             state = self._replicas.get(replica)
-            if state is not None and state.blocks.get(h) == expiry:
-                del state.blocks[h]
-                if state.learner is not None:
-                    del state.learner.ticks[h]
-                self._forget(h, state.bit, expiry)
-                dropped += 1
+            if state is None:
+                continue
+            for h in hashes:
+                if state.blocks.get(h) == expiry:
+                    del state.blocks[h]
+                    if state.learner is not None:
+                        del state.learner.ticks[h]
+                    self._forget(h, state.bit, expiry)
+                    dropped += 1
         return dropped
 
     # -- lookup -----------------------------------------------------------------------------
@@ -310,30 +319,44 @@ class RadixIndex:
 
     def _insert_timed(self, replica: str, state: _Replica, hashes: Sequence[int], expires_at: float) -> None:
         """Predicted entries, and any entry of a learning replica (whose every block needs its tick,
-        an exact one included)."""
+        an exact one included). Counts, ticks and the deadline row cover the blocks inserted before a
+        hash that cannot be a key stops the loop, so the index stays consistent."""
         blocks = state.blocks
+        get, move = blocks.get, blocks.move_to_end
         holders = self._holders
+        held = holders.get
         bit = 1 << state.bit
-        learner = state.learner
         timed = expires_at != NEVER
-        for h in reversed(hashes):
-            if learner is not None:
-                learner.ticks[h] = learner.tick
-                learner.tick += 1
-                learner.ghosts.pop(h, None)
-            old = blocks.get(h)
-            if old is None:
-                blocks[h] = expires_at
-                holders[h] = holders.get(h, 0) | bit
-                self._entries += 1
-                self._timed += timed
-            else:
-                blocks.move_to_end(h)
-                if expires_at > old:
+        order = hashes[::-1]
+        done = added = made_exact = 0
+        try:
+            for h in order:
+                old = get(h)
+                if old is None:
                     blocks[h] = expires_at
-                    self._timed -= not timed  # a predicted entry, now exact
-            if timed:
-                heapq.heappush(self._deadlines, (expires_at, h, replica))
+                    holders[h] = held(h, 0) | bit
+                    added += 1
+                else:
+                    move(h)
+                    if expires_at > old:
+                        blocks[h] = expires_at
+                        made_exact += not timed  # a predicted entry, now exact
+                done += 1
+        finally:
+            inserted = order[:done]
+            self._entries += added
+            self._timed += added * timed - made_exact
+            learner = state.learner
+            if learner is not None:
+                learner.ticks.update(zip(inserted, itertools.count(learner.tick)))
+                learner.tick += done
+                if learner.ghosts:
+                    for h in inserted:
+                        learner.ghosts.pop(h, None)
+            if timed and done:
+                row = (expires_at, next(self._deadline_order), replica, tuple(inserted))
+                heapq.heappush(self._deadlines, row)
+                self._deadline_refs += done
 
     def _state(self, replica: str) -> _Replica:
         state = self._replicas.get(replica)
@@ -368,11 +391,14 @@ class RadixIndex:
             self._timed -= 1
 
     def _compact_deadlines(self) -> None:
-        """Rebuild the deadline heap from live entries when stale rows outnumber them."""
-        self._deadlines = [
-            (expiry, h, name)
-            for name, state in self._replicas.items()
-            for h, expiry in state.blocks.items()
-            if expiry != NEVER
-        ]
+        """Rebuild the deadline heap from live entries, a row per replica and expiry, when stale
+        hashes outnumber them."""
+        rows: dict[tuple[float, str], list[int]] = {}
+        for name, state in self._replicas.items():
+            for h, expiry in state.blocks.items():
+                if expiry != NEVER:
+                    rows.setdefault((expiry, name), []).append(h)
+        order = self._deadline_order
+        self._deadlines = [(expiry, next(order), name, tuple(hs)) for (expiry, name), hs in rows.items()]
         heapq.heapify(self._deadlines)
+        self._deadline_refs = sum(len(hs) for hs in rows.values())
