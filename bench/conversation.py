@@ -1,20 +1,21 @@
-"""`prefixgate bench conversation`: what the gateway adds to a growing conversation, with its
-tokenizer's prefix cache and without, measured side by side in one run.
+"""`prefixgate bench conversation`: what the gateway adds to a growing conversation, with its caches
+and event loop and without, measured side by side in one run.
 
-A multi-turn client re-sends its whole history every turn, so a gateway that tokenizes each prompt
-pays for the whole conversation again at every turn; the prefix cache (gateway.forward.prefix_cache)
-is what should make that cost the turn's new text alone. One conversation at a time, as one user
-would drive it: a long system prompt, then `--rounds` rounds of a user turn and an assistant answer,
-each round sent three ways one after the other (direct to the replica, through a gateway with the
-cache, through one without), in an order that rotates every round so that a noisy second falls on
-each path alike. The replica is a simulated worker with a zero cost model that reads chats as words
-(a backend with a tokenizer of its own, to which the gateway forwards the body as sent), so that its
-own time is its software alone; both gateways tokenize with the default model's tokenizer, as they
-would in front of a real replica of it.
+A multi-turn client re-sends its whole history every turn, so a gateway that tokenizes and hashes
+each prompt pays for the whole conversation again at every turn; its caches (the tokenizer's prefix
+cache, gateway.forward.prefix_cache, and the hash-chain cache, radix.chain_cache) are what should
+make that cost the turn's new text alone, and uvloop (the fast extra) what trims the fixed cost of
+every hop. One conversation at a time, as one user would drive it: a long system prompt, then
+`--rounds` rounds of a user turn and an assistant answer, each round sent direct to the replica and
+through each gateway of GATEWAYS, one after the other, in an order that rotates every round so that
+a noisy second falls on each path alike. The replica is a simulated worker with a zero cost model
+that reads chats as words (a backend with a tokenizer of its own, to which the gateway forwards the
+body as sent), so that its own time is its software alone; the gateways tokenize with the default
+model's tokenizer, as they would in front of a real replica of it.
 
 Reported: TTFT and end-to-end latency per path, what each gateway adds at p50 and p99 over direct,
-the cache's hits and the share of prompt tokens it supplied (from the gateway's /metrics), and each
-gateway's CPU seconds per request and memory.
+the prefix cache's hits and the share of prompt tokens it supplied (from the gateway's /metrics), and
+each gateway's CPU seconds per request and memory.
 """
 
 from __future__ import annotations
@@ -39,7 +40,13 @@ from bench.procfs import cpu_s, proc_stat
 from bench.replay_result import latency_stats
 from bench.report import bar_panels, format_table, write_json
 
-PATHS = ("direct", "gateway, cache", "gateway, no cache")
+# The gateways, each in front of the same worker: (prefix and hash caches MiB, event loop).
+GATEWAYS = {
+    "gateway": (64, "auto"),
+    "gateway, asyncio loop": (64, "asyncio"),
+    "gateway, no caches, asyncio loop": (0, "asyncio"),
+}
+PATHS = ("direct", *GATEWAYS)
 # The issue's bar for a growing conversation: added TTFT p50 over direct, with the cache.
 BAR_P50_S = 1.5e-3
 MS = 1e3
@@ -105,18 +112,25 @@ def timed_chat(client: httpx.Client, url: str, body: bytes) -> tuple[float, floa
     return first - start, end - start
 
 
+# The gateway's cache counters this bench reads, and the prefix each one's labels get in its counts.
+CACHE_FAMILIES = {
+    "prefixgate_gateway_tokenizer_cache_lookups": "",
+    "prefixgate_gateway_tokenizer_cache_tokens": "",
+    "prefixgate_gateway_hash_cache_blocks": "blocks_",
+}
+
+
 def cache_counts(url: str) -> dict[str, float]:
-    """The gateway's tokenizer-cache samples, summed over models: lookups by outcome, ids by source."""
+    """The gateway's cache counters, summed over models: prefix-cache lookups by outcome (hit, miss)
+    and ids by source (cache, tokenized); hash-chain blocks by source (blocks_cache, blocks_hashed)."""
     counts: dict[str, float] = {}
     text = httpx.get(f"{url}/metrics", timeout=5.0).text
     for family in text_string_to_metric_families(text):
-        if family.name not in (
-            "prefixgate_gateway_tokenizer_cache_lookups",
-            "prefixgate_gateway_tokenizer_cache_tokens",
-        ):
+        prefix = CACHE_FAMILIES.get(family.name)
+        if prefix is None:
             continue
         for s in family.samples:
-            key = s.labels.get("outcome") or s.labels["source"]
+            key = prefix + (s.labels.get("outcome") or s.labels["source"])
             counts[key] = counts.get(key, 0.0) + s.value
     return counts
 
@@ -142,8 +156,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         worker = fleet.add(start_worker(workdir, spec, "w0", "--sim-tokenizer", "words"))
         wait_healthy([worker])
         gateways = {
-            path: fleet.add(start_gateway(workdir, f"gateway-{i}", _gateway(spec.model, worker.url, mib)))
-            for i, (path, mib) in enumerate((("gateway, cache", 64), ("gateway, no cache", 0)))
+            path: fleet.add(
+                start_gateway(
+                    workdir, f"gateway-{i}", _gateway(spec.model, worker.url, mib), "--event-loop", loop
+                )
+            )
+            for i, (path, (mib, loop)) in enumerate(GATEWAYS.items())
         }
         wait_healthy(list(gateways.values()))
         urls = {"direct": worker.url, **{path: g.url for path, g in gateways.items()}}
@@ -164,13 +182,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         }
                     )
                     turn = n * args.rounds + r
-                    for path in PATHS[turn % 3 :] + PATHS[: turn % 3]:
+                    shift = turn % len(PATHS)
+                    for path in PATHS[shift:] + PATHS[:shift]:
                         ttft, e2e = timed_chat(client, urls[path], body)
                         times[path].ttft_s.append(ttft)
                         times[path].e2e_s.append(e2e)
                     bar.update()
         cpu = {path: (cpu_s(g.pid) - cpu_before[path]) / total for path, g in gateways.items()}
-        cache = cache_counts(gateways["gateway, cache"].url)
+        cache = cache_counts(gateways["gateway"].url)
         memory = {path: proc_stat(g.pid) for path, g in gateways.items()}
     payload = _payload(args, times, cpu, cache, memory)
     title = (
@@ -186,8 +205,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _gateway(model: str, worker_url: str, cache_mib: int) -> dict[str, Any]:
     """A gateway over the worker as a foreign replica (the body forwarded as sent), tokenizing with the
-    default tokenizer, its prefix cache `cache_mib` MiB (0: off)."""
-    config = gateway_config(model, [], limits={"tokenizer_cache_mib": cache_mib})
+    default tokenizer, its token-id and hash caches `cache_mib` MiB each (0: off)."""
+    config = gateway_config(model, [], limits={"tokenizer_cache_mib": cache_mib, "hash_cache_mib": cache_mib})
     config["models"] = {model: {"tokenizer": "default"}}
     config["replicas"] = [{"url": worker_url, "id": "w0", "kind": "openai", "model": model}]
     return config
@@ -214,6 +233,7 @@ def _payload(
     }
     lookups = cache.get("hit", 0.0) + cache.get("miss", 0.0)
     ids = cache.get("cache", 0.0) + cache.get("tokenized", 0.0)
+    blocks = cache.get("blocks_cache", 0.0) + cache.get("blocks_hashed", 0.0)
     return {
         "config": {
             k: getattr(args, k)
@@ -225,12 +245,13 @@ def _payload(
             **cache,
             "hit_rate": cache.get("hit", 0.0) / lookups if lookups else None,
             "token_share": cache.get("cache", 0.0) / ids if ids else None,
+            "block_share": cache.get("blocks_cache", 0.0) / blocks if blocks else None,
         },
         "gateway_cpu_s_per_request": cpu,
         "gateway_memory": {
             path: {"rss_bytes": m.rss_bytes, "peak_rss_bytes": m.peak_rss_bytes} for path, m in memory.items()
         },
-        "bar": {"ttft_p50_s": BAR_P50_S, "met": added["gateway, cache"]["ttft_s_p50"] <= BAR_P50_S},
+        "bar": {"ttft_p50_s": BAR_P50_S, "met": added["gateway"]["ttft_s_p50"] <= BAR_P50_S},
     }
 
 
@@ -259,7 +280,8 @@ def _tables(title: str, p: dict[str, Any]) -> str:
     c = p["cache"]
     summary = (
         f"prefix cache: {int(c.get('hit', 0))} hits, {int(c.get('miss', 0))} misses "
-        f"(hit rate {_share(c['hit_rate'])}), {_share(c['token_share'])} of prompt tokens from the cache; "
+        f"(hit rate {_share(c['hit_rate'])}), {_share(c['token_share'])} of prompt tokens from the cache, "
+        f"{_share(c['block_share'])} of block hashes from the hash cache; "
         f"bar: added TTFT p50 <= {BAR_P50_S * MS:g} ms with the cache: "
         + ("met" if p["bar"]["met"] else "NOT met")
     )

@@ -167,6 +167,9 @@ class Limits(_Section):
     # Per model, the token ids of prompt prefixes seen lately, so that a conversation's next turn is
     # tokenized only where it grew (gateway.forward.prefix_cache); 0 turns the cache off.
     tokenizer_cache_mib: int = Field(64, ge=0)
+    # Recent prompts' block hashes, so that a prompt extending one is hashed only where it grew
+    # (radix.chain_cache); 0 turns it off.
+    hash_cache_mib: int = Field(32, ge=0)
 
 
 class Health(_Section):

@@ -20,6 +20,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from gateway.forward.prefix_cache import CacheStats
 from gateway.rejections import Rejections
 from protocol.serving import LATENCY_BUCKETS
+from radix.chain_cache import ChainStats
 
 # Routing decisions take microseconds to a millisecond; inter-token gaps milliseconds to a second.
 DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
@@ -220,10 +221,12 @@ class GatewayMetrics:
             _remove(gauge, replica_id)
         _remove(self.replica_healthy, replica_id, model)
 
-    def watch_prefix_caches(self, stats: Callable[[], Mapping[str, CacheStats]]) -> None:
-        """Export the tokenizers' prefix-cache counts, read from `stats` at each scrape: the caches
-        count on the tokenizer threads themselves, so the request path touches no metric for them."""
-        self.registry.register(_PrefixCacheCollector(stats))
+    def watch_caches(
+        self, prefixes: Callable[[], Mapping[str, CacheStats]], chains: Callable[[], ChainStats]
+    ) -> None:
+        """Export the counts of the tokenizers' prefix caches and of the hash-chain cache, read at each
+        scrape: the caches count for themselves, so the request path touches no metric for them."""
+        self.registry.register(_CacheCollector(prefixes, chains))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -234,12 +237,15 @@ def _remove(gauge: Gauge, *labels: str) -> None:
         gauge.remove(*labels)
 
 
-class _PrefixCacheCollector:
+class _CacheCollector:
     """Per model, its tokenizer's prefix-cache counts since that tokenizer loaded (a reload starts
-    them again, which Prometheus reads as a counter reset)."""
+    them again, which Prometheus reads as a counter reset); the hash-chain cache's since start."""
 
-    def __init__(self, stats: Callable[[], Mapping[str, CacheStats]]) -> None:
-        self._stats = stats
+    def __init__(
+        self, prefixes: Callable[[], Mapping[str, CacheStats]], chains: Callable[[], ChainStats]
+    ) -> None:
+        self._prefixes = prefixes
+        self._chains = chains
 
     def describe(self) -> list[MetricFamily]:
         return []  # no fixed samples to check against other collectors at registration
@@ -261,10 +267,23 @@ class _PrefixCacheCollector:
             "Bytes the model's prefix cache holds (bounded by limits.tokenizer_cache_mib)",
             labels=("model",),
         )
-        for model, s in self._stats().items():
+        for model, s in self._prefixes().items():
             lookups.add_metric((model, "hit"), s.hits)
             lookups.add_metric((model, "miss"), s.misses)
             tokens.add_metric((model, "cache"), s.reused_tokens)
             tokens.add_metric((model, "tokenized"), s.tokenized_tokens)
             held.add_metric((model,), s.bytes)
-        yield from (lookups, tokens, held)
+        chains = self._chains()
+        blocks = CounterMetricFamily(
+            "prefixgate_gateway_hash_cache_blocks",
+            "Prompt blocks routed by source of their hash: cache (a recent prompt's chain) or hashed",
+            labels=("source",),
+        )
+        blocks.add_metric(("cache",), chains.reused_blocks)
+        blocks.add_metric(("hashed",), chains.hashed_blocks)
+        chain_bytes = GaugeMetricFamily(
+            "prefixgate_gateway_hash_cache_bytes",
+            "Bytes the hash-chain cache holds (bounded by limits.hash_cache_mib)",
+            value=chains.bytes,
+        )
+        yield from (lookups, tokens, held, blocks, chain_bytes)

@@ -23,6 +23,7 @@ from gateway.gateway_metrics import GatewayMetrics
 from policies import Policy, PrefillDecode, build_pd, build_policy
 from policies.least_load import LeastLoad
 from radix import RadixIndex
+from radix.chain_cache import ChainCache
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -43,6 +44,8 @@ class GatewayState:
     # Routes with no prompt to match (embeddings, scoring, any other /v1 route) go by load.
     by_load: Policy = field(default_factory=LeastLoad)
     tokenizers: Tokenizers = field(init=False)
+    # Recent prompts' block hashes (limits.hash_cache_mib), so that a prompt is hashed where it grew.
+    chains: ChainCache = field(init=False)
     # Made when the gateway starts, on its loop (they hold connections and tasks).
     upstream: UpstreamClient = field(init=False)
     predictions: Predictions = field(init=False)
@@ -53,8 +56,9 @@ class GatewayState:
     def __post_init__(self) -> None:
         self.configure(self.config)
         self.tokenizers = tokenizers_of(self.config)
+        self.chains = ChainCache(self.config.limits.hash_cache_mib * 2**20)
         # Read through self at each scrape: a reload swaps the tokenizers.
-        self.metrics.watch_prefix_caches(lambda: self.tokenizers.cache_stats())
+        self.metrics.watch_caches(lambda: self.tokenizers.cache_stats(), lambda: self.chains.stats)
 
     def configure(self, config: GatewayConfig) -> None:
         """The config and the policies made from it (a reload swaps the tokenizers itself, once the

@@ -10,13 +10,19 @@ from pathlib import Path
 from gateway.gateway_config import load_config
 from gateway.http.app import create_app
 from policies import ConfigError
-from protocol.serving import serve
+from protocol.serving import EVENT_LOOPS, serve
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="gateway YAML (see configs/gateway.example.yaml)")
     parser.add_argument("--host", default=None, help="override listen.host")
     parser.add_argument("--port", type=int, default=None, help="override listen.port")
+    parser.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default="auto",
+        help="auto: uvloop when installed (the fast extra)",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -32,5 +38,6 @@ def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     listen = config.listen.model_copy(update=overrides)
     config = config.model_copy(update={"listen": listen})
-    serve(create_app(config, config_path=Path(args.config)), host=listen.host, port=listen.port)
+    app = create_app(config, config_path=Path(args.config))
+    serve(app, args.event_loop, host=listen.host, port=listen.port)
     return 0

@@ -51,7 +51,11 @@ def chain_hashes(parent: int, token_ids: Sequence[int] | np.ndarray, block_size:
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    data = pack_tokens(token_ids)
+    return chain_packed(parent, pack_tokens(token_ids), block_size)
+
+
+def chain_packed(parent: int, data: bytes, block_size: int) -> list[int]:
+    """chain_hashes over ids already packed (pack_tokens): one full block every 4 * block_size bytes."""
     step = 4 * block_size
     end = len(data) // step * step
     out: list[int] = []

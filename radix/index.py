@@ -50,9 +50,11 @@ class RadixIndex:
         self._names: list[str | None] = []
         self._free_bits: list[int] = []
         self._entries = 0
-        # One row per timed insert, (expiry, order, replica, hashes): a prompt's hundreds of blocks
-        # cost one heap push, not one each. An entry refreshed or removed since leaves its hash in an
-        # old row, skipped lazily; `_deadline_refs` counts the hashes the rows hold.
+        # Rows of (expiry, order, replica, hashes): one per timed insert, holding the blocks it added,
+        # so a prompt's hundreds of blocks cost one heap push. A block refreshed since is not pushed
+        # again: its row, when due, finds the later expiry and reschedules it then (a row per expiry),
+        # so touching a known prefix costs no heap work at all. A block removed leaves its hash in a
+        # row, skipped when due; `_deadline_refs` counts the hashes the rows hold.
         self._deadlines: list[tuple[float, int, str, tuple[int, ...]]] = []
         self._deadline_order = itertools.count()
         self._deadline_refs = 0
@@ -209,18 +211,27 @@ class RadixIndex:
         deadlines = self._deadlines
         dropped = 0
         while deadlines and deadlines[0][0] <= now:
-            expiry, _, replica, hashes = heapq.heappop(deadlines)
+            _, _, replica, hashes = heapq.heappop(deadlines)
             self._deadline_refs -= len(hashes)
             state = self._replicas.get(replica)
             if state is None:
                 continue
+            blocks = state.blocks
+            later: dict[float, list[int]] = {}
             for h in hashes:
-                if state.blocks.get(h) == expiry:
-                    del state.blocks[h]
-                    if state.learner is not None:
-                        del state.learner.ticks[h]
-                    self._forget(h, state.bit, expiry)
-                    dropped += 1
+                expiry = blocks.get(h)
+                if expiry is None or expiry == NEVER:
+                    continue  # removed, or confirmed exact, since
+                if expiry > now:
+                    later.setdefault(expiry, []).append(h)
+                    continue
+                del blocks[h]
+                if state.learner is not None:
+                    del state.learner.ticks[h]
+                self._forget(h, state.bit, expiry)
+                dropped += 1
+            for expiry, kept in later.items():
+                self._push_deadline(expiry, replica, kept)
         return dropped
 
     # -- lookup -----------------------------------------------------------------------------
@@ -328,14 +339,15 @@ class RadixIndex:
         bit = 1 << state.bit
         timed = expires_at != NEVER
         order = hashes[::-1]
-        done = added = made_exact = 0
+        done = made_exact = 0
+        new: list[int] = []
         try:
             for h in order:
                 old = get(h)
                 if old is None:
                     blocks[h] = expires_at
                     holders[h] = held(h, 0) | bit
-                    added += 1
+                    new.append(h)
                 else:
                     move(h)
                     if expires_at > old:
@@ -344,19 +356,20 @@ class RadixIndex:
                 done += 1
         finally:
             inserted = order[:done]
-            self._entries += added
-            self._timed += added * timed - made_exact
+            self._entries += len(new)
+            self._timed += len(new) * timed - made_exact
             learner = state.learner
             if learner is not None:
                 learner.ticks.update(zip(inserted, itertools.count(learner.tick)))
                 learner.tick += done
-                if learner.ghosts:
-                    for h in inserted:
-                        learner.ghosts.pop(h, None)
-            if timed and done:
-                row = (expires_at, next(self._deadline_order), replica, tuple(inserted))
-                heapq.heappush(self._deadlines, row)
-                self._deadline_refs += done
+                for h in learner.ghosts.keys() & inserted:  # a set operation: C, not a loop of pops
+                    del learner.ghosts[h]
+            if timed and new:
+                self._push_deadline(expires_at, replica, new)
+
+    def _push_deadline(self, expiry: float, replica: str, hashes: Sequence[int]) -> None:
+        heapq.heappush(self._deadlines, (expiry, next(self._deadline_order), replica, tuple(hashes)))
+        self._deadline_refs += len(hashes)
 
     def _state(self, replica: str) -> _Replica:
         state = self._replicas.get(replica)

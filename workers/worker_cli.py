@@ -19,6 +19,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from protocol.disaggregation import ROLES
+from protocol.serving import EVENT_LOOPS
 from protocol.transfer_auth import SECRET_ENV, parse_secret
 from workers.kv_handoff import DEFAULT_ROOM_WAIT_S, DEFAULT_TRANSFER_TIMEOUT_S
 
@@ -130,6 +131,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="N",
         help="a mixture-of-experts model's experts split over N processes (gloo, CPU); --threads is per rank",
+    )
+    parser.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default="auto",
+        help="auto: uvloop when installed (the fast extra)",
     )
     parser.add_argument("--log-level", default="INFO")
     pd = parser.add_argument_group("prefill/decode disaggregation")
@@ -393,7 +400,7 @@ def run(args: argparse.Namespace) -> int:
     worker = build_worker(args)
     app = create_app(worker, contexts=extra_contexts(args))
     if args.listen_fd is None:
-        serve(app, host=args.host, port=args.port)
+        serve(app, args.event_loop, host=args.host, port=args.port)
     else:
-        serve(app, sock=socket.socket(fileno=args.listen_fd))
+        serve(app, args.event_loop, sock=socket.socket(fileno=args.listen_fd))
     return 0

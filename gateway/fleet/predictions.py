@@ -31,7 +31,6 @@ gateway's own TTL, a positive bounded capacity) and one that fails is skipped an
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import secrets
@@ -154,9 +153,11 @@ class Predictions:
         expires_at = (self.clock() if now is None else now) + self.ttl_s
         self.index.insert(replica_id, hashes, expires_at=expires_at)
         self.stats.recorded += 1
-        self._publish_later(
-            expires_at, {"replica": replica_id, "expires_at": repr(expires_at), "hashes": json.dumps(hashes)}
-        )
+        if self.redis is not None:  # a long prompt's hashes are costly to encode for no one
+            encoded = msgspec.json.encode(hashes).decode()
+            self._publish_later(
+                expires_at, {"replica": replica_id, "expires_at": repr(expires_at), "hashes": encoded}
+            )
 
     def released(self, replica_id: str, hashes: Sequence[int]) -> None:
         """A request with these block hashes ended on `replica_id`: an engine's cache orders blocks by

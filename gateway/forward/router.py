@@ -25,6 +25,7 @@ from gateway.fleet.replicas import SPEED_ALPHA, Replica
 from policies import Policy, PrefillDecode, ReplicaView, RouteRequest
 from policies.prefix_aware import prefill_wait_s
 from radix import RadixIndex, block_hashes
+from radix.chain_cache import ChainCache
 
 # A learned rate this far from the peers' median marks a replica of another speed.
 DISTINCT_RATE = 0.3
@@ -83,17 +84,18 @@ def decide(
     session: str | None = None,
     pd: PrefillDecode | None = None,
     transfer: bool = True,
+    chains: ChainCache | None = None,
 ) -> Decision:
     """Route a prompt (None: not tokenized, so no prefix to match) among one model's replicas; in pairs
     by `pd` when some of them are prefill or decode replicas (`transfer`: whether the request's body
-    can name a prefill replica)."""
+    can name a prefill replica). `chains`: recent prompts' hashes, to hash only what a prompt adds."""
     start = time.perf_counter()
     hashes: dict[int, list[int]] = {}
     matched: dict[str, int] = {}
     if tokens:
         for size in sorted({r.block_size for r in replicas}):
             model = next(r.model for r in replicas if r.block_size == size)
-            chain = block_hashes(tokens, size, model)
+            chain = (chains.block_hashes if chains is not None else block_hashes)(tokens, size, model)
             hashes[size] = chain
             # Chains of different block sizes never share a hash, so the matches never collide.
             if chain:

@@ -87,7 +87,8 @@ async def debug_route(request: web.Request) -> web.Response:
     tokens = prompt.ids if prompt is not None else None
     session = session_key(state, request, view)
     replicas = state.replicas.serving(model)
-    decision = decide(state.policy, state.index, replicas, tokens, session, state.pd, route in PAIRED_ROUTES)
+    paired = route in PAIRED_ROUTES
+    decision = decide(state.policy, state.index, replicas, tokens, session, state.pd, paired, state.chains)
     return web.json_response(
         {
             "model": model,

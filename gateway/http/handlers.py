@@ -133,8 +133,9 @@ async def _decide(
     it can take the request (no other replica holds that response)."""
     if route in PREFIX_ROUTES:
         session = session_key(state, request, view)
+        paired = route in PAIRED_ROUTES
         decision = decide(
-            state.policy, state.index, replicas, tokens, session, state.pd, route in PAIRED_ROUTES
+            state.policy, state.index, replicas, tokens, session, state.pd, paired, state.chains
         )
     else:
         decision = decide(state.by_load, state.index, [r for r in replicas if r.role != "prefill"], None)

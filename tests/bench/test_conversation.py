@@ -38,6 +38,7 @@ def test_cli_times_every_path_and_reads_the_cache_of_the_gateway_that_has_one(tm
     cache = payload["cache"]
     assert (cache["hit"], cache["miss"]) == (6, 2)
     assert 0 < cache["token_share"] < 1 and cache["hit_rate"] == pytest.approx(0.75)
+    assert 0 < cache["block_share"] < 1
     for path in PATHS[1:]:
         assert payload["added_s"][path]["ttft_s_p50"] == pytest.approx(
             payload["latency"][path]["ttft_s"]["p50"] - payload["latency"]["direct"]["ttft_s"]["p50"]
