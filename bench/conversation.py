@@ -141,6 +141,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=60, help="rounds of each conversation")
     parser.add_argument("--conversations", type=int, default=2, help="conversations, one after the other")
     parser.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")
+    parser.add_argument(
+        "--tokenizer",
+        default="default",
+        help="the gateways' tokenizer: default, a .gguf file or an HF folder",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here, and a PNG next to it")
 
@@ -158,7 +163,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gateways = {
             path: fleet.add(
                 start_gateway(
-                    workdir, f"gateway-{i}", _gateway(spec.model, worker.url, mib), "--event-loop", loop
+                    workdir,
+                    f"gateway-{i}",
+                    _gateway(spec.model, worker.url, mib, args.tokenizer),
+                    "--event-loop",
+                    loop,
                 )
             )
             for i, (path, (mib, loop)) in enumerate(GATEWAYS.items())
@@ -203,11 +212,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return payload
 
 
-def _gateway(model: str, worker_url: str, cache_mib: int) -> dict[str, Any]:
-    """A gateway over the worker as a foreign replica (the body forwarded as sent), tokenizing with the
-    default tokenizer, its token-id and hash caches `cache_mib` MiB each (0: off)."""
+def _gateway(model: str, worker_url: str, cache_mib: int, tokenizer: str) -> dict[str, Any]:
+    """A gateway over the worker as a foreign replica (the body forwarded as sent), tokenizing with
+    `tokenizer`, its token-id and hash caches `cache_mib` MiB each (0: off)."""
     config = gateway_config(model, [], limits={"tokenizer_cache_mib": cache_mib, "hash_cache_mib": cache_mib})
-    config["models"] = {model: {"tokenizer": "default"}}
+    config["models"] = {model: {"tokenizer": tokenizer}}
     config["replicas"] = [{"url": worker_url, "id": "w0", "kind": "openai", "model": model}]
     return config
 
@@ -237,7 +246,15 @@ def _payload(
     return {
         "config": {
             k: getattr(args, k)
-            for k in ("system_words", "turn_words", "rounds", "conversations", "max_tokens", "seed")
+            for k in (
+                "system_words",
+                "turn_words",
+                "rounds",
+                "conversations",
+                "max_tokens",
+                "tokenizer",
+                "seed",
+            )
         },
         "latency": latency,
         "added_s": added,

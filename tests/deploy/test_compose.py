@@ -9,6 +9,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -258,11 +259,13 @@ def test_every_dashboard_panel_queries_the_provisioned_datasource() -> None:
 def test_the_gateway_image_installs_no_torch_and_tokenizes_from_the_gguf(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Dockerfile.gateway installs the gateway alone and reads the default tokenizer from the GGUF into
-    its cache at build time: the same ids as the worker's converted folder, with no weights at all."""
+    """Dockerfile.gateway installs the gateway alone (with uvloop, the `fast` extra, and no other) and
+    reads the default tokenizer from the GGUF into its cache at build time: the same ids as the worker's
+    converted folder, with no weights at all."""
     dockerfile = (DOCKER / "Dockerfile.gateway").read_text()
     installs = [line for line in dockerfile.splitlines() if line.startswith("RUN") and "pip install" in line]
-    assert installs and not any("torch" in line or "[" in line for line in installs), installs
+    extras = {extra for line in installs for extra in re.findall(r"\[([^\]]*)\]", line)}
+    assert installs and not any("torch" in line for line in installs) and extras <= {"fast"}, installs
     assert "default_tokenizer()" in dockerfile
     monkeypatch.setenv("PREFIXGATE_CACHE", str(tmp_path / "cache"))
     tokenizer = load_tokenizer_spec("default")

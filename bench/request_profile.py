@@ -1,0 +1,247 @@
+"""`prefixgate bench profile`: where a request's gateway CPU goes, stage by stage, per prompt shape.
+
+Each stage is the gateway's own code called as a request calls it, in order, on state built as the
+gateway builds it: four foreign replicas in approximate mode (their caches predicted and learned),
+the default model's tokenizer with its prefix cache, the hash-chain cache, the default policy. The
+stages: parse (the body's JSON), view (what routing reads of it), tokenize (the chat template and the
+encoder, on the tokenizer thread, the hop included; "of which render" is the template alone), hash
+(block hashes), match (the index), policy (the rest of the decision: views, rates, the choice),
+record (the prediction made before forwarding) and release (the blocks touched again when the
+request ends). What is not here is HTTP: reading the request, writing it upstream, relaying the
+answer and the metrics, which `bench conversation` and `bench overhead` measure with the stages, in
+the gateway's CPU per request.
+
+Shapes: distinct chats of 50, 200 and 600 words (nothing shared, nothing cached: a new user's first
+turn), a distinct 2,000-token-id completion (no tokenizing), and the later turns of a growing
+conversation (a 1,500-word system prompt, 40-word turns: 6k-9k tokens), with the caches and without.
+Each timing is the median over `--requests` requests of that shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench.conversation import conversation, sentence
+from bench.report import format_table, write_json
+from gateway.fleet.expectations import expect
+from gateway.fleet.predictions import Predictions
+from gateway.fleet.replicas import Replica
+from gateway.forward.request_view import read_request
+from gateway.forward.router import decide
+from gateway.forward.tokenizers import Tokenizers
+from gateway.gateway_config import Limits
+from policies import build_policy
+from policies.routing_config import RoutingConfig
+from protocol.models import load_tokenizer_spec
+from protocol.openai_api import parse_json
+from radix import RadixIndex
+from radix.chain_cache import ChainCache
+
+MODEL = "profiled"
+BLOCK_SIZE = 16
+REPLICAS = 4
+STAGES = ("parse", "view", "tokenize", "of which render", "hash", "match", "policy", "record", "release")
+US = 1e6
+CACHE_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    name: str
+    route: str  # "chat" or "completions"
+    caches: bool
+    bodies: Callable[[random.Random, int], Iterator[dict[str, Any]]]
+    # Requests sent first and not timed: what warms a conversation's caches.
+    warm_up: int = 0
+
+
+def _chats(words: int) -> Callable[[random.Random, int], Iterator[dict[str, Any]]]:
+    def bodies(rng: random.Random, count: int) -> Iterator[dict[str, Any]]:
+        for _ in range(count):
+            yield {"model": MODEL, "messages": [{"role": "user", "content": sentence(rng, words)}]}
+
+    return bodies
+
+
+def _ids(tokens: int) -> Callable[[random.Random, int], Iterator[dict[str, Any]]]:
+    def bodies(rng: random.Random, count: int) -> Iterator[dict[str, Any]]:
+        for _ in range(count):
+            yield {"model": MODEL, "prompt": [rng.randrange(49152) for _ in range(tokens)], "max_tokens": 4}
+
+    return bodies
+
+
+def _turns(rng: random.Random, count: int) -> Iterator[dict[str, Any]]:
+    for messages in conversation(rng, 1500, 40, count):
+        yield {"model": MODEL, "messages": messages}
+
+
+def shapes(requests: int) -> list[Shape]:
+    return [
+        Shape("chat, 50 words, new", "chat", True, _chats(50)),
+        Shape("chat, 200 words, new", "chat", True, _chats(200)),
+        Shape("chat, 600 words, new", "chat", True, _chats(600)),
+        Shape("completion, 2k ids, new", "completions", True, _ids(2000)),
+        Shape("conversation turn, caches", "chat", True, _turns, warm_up=requests),
+        Shape("conversation turn, no caches", "chat", False, _turns, warm_up=requests),
+    ]
+
+
+class _Timed:
+    """`target` with one method timed into `into` at every call; everything else passed through."""
+
+    def __init__(self, target: Any, method: str, into: list[float]) -> None:
+        self._target, self._method, self._into = target, method, into
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if name != self._method:
+            return attr
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self._into.append(time.perf_counter() - start)
+
+        return timed
+
+
+async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "default") -> dict[str, float]:
+    """Median seconds of each stage over `requests` requests of `shape` (after its warm-up), tokenized
+    with the tokenizer `spec` names."""
+    cache_bytes = CACHE_BYTES if shape.caches else 0
+    tokenizers = Tokenizers({MODEL: spec}, cache_bytes=cache_bytes)
+    await tokenizers.load([MODEL])
+    tokenizer = load_tokenizer_spec(spec)
+    assert tokenizer is not None
+    limits = Limits()
+    index = RadixIndex()
+    replicas = [
+        Replica(f"r{i}", f"http://r{i}", "openai", MODEL, BLOCK_SIZE, None, 8192, "config", 10_000.0)
+        for i in range(REPLICAS)
+    ]
+    for r in replicas:
+        index.add_replica(r.id, learn=True)
+    predictions = Predictions(index, ttl_s=300.0)
+    policy = build_policy(RoutingConfig())
+    chains = ChainCache(cache_bytes)
+    times: dict[str, list[float]] = {stage: [] for stage in STAGES}
+    hashed: list[float] = []
+    matched: list[float] = []
+    timed_chains, timed_index = _Timed(chains, "block_hashes", hashed), _Timed(index, "match", matched)
+    try:
+        for n, body in enumerate(shape.bodies(random.Random(seed), shape.warm_up + requests)):
+            measured = n >= shape.warm_up
+            raw = orjson.dumps(body)
+            clock = time.perf_counter()
+            parsed = parse_json(raw)
+            stamps = [clock, time.perf_counter()]
+            view = read_request(shape.route, parsed)
+            stamps.append(time.perf_counter())
+            prompt = await tokenizers.prompt(view, MODEL, limits)
+            stamps.append(time.perf_counter())
+            assert prompt is not None
+            if view.messages is not None and measured:
+                start = time.perf_counter()
+                tokenizer.render_chat(view.messages)
+                times["of which render"].append(time.perf_counter() - start)
+            hashed.clear()
+            matched.clear()
+            start = time.perf_counter()
+            decision = decide(policy, timed_index, replicas, prompt.ids, chains=timed_chains)  # type: ignore[arg-type]
+            routed_s = time.perf_counter() - start
+            chosen = next(r for r in replicas if r.id == decision.order[0])
+            hashes = decision.hashes[BLOCK_SIZE]
+            start = time.perf_counter()
+            expect(index, predictions, chosen, hashes, precise=False, now=time.time(), request_timeout_s=600)
+            recorded = time.perf_counter()
+            predictions.released(chosen.id, hashes)
+            released = time.perf_counter()
+            if not measured:
+                continue
+            for stage, (a, b) in zip(("parse", "view", "tokenize"), itertools.pairwise(stamps), strict=True):
+                times[stage].append(b - a)
+            times["hash"].append(sum(hashed))
+            times["match"].append(sum(matched))
+            times["policy"].append(routed_s - sum(hashed) - sum(matched))
+            times["record"].append(recorded - start)
+            times["release"].append(released - recorded)
+    finally:
+        tokenizers.close()
+    return {stage: _median(values) for stage, values in times.items()}
+
+
+def _median(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=60, help="timed requests per shape")
+    parser.add_argument("--tokenizer", default="default", help="default, a .gguf file or an HF folder")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the results here, and a PNG next to it")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.requests < 1:
+        raise SystemExit("prefixgate bench profile: --requests must be at least 1")
+    results = {
+        shape.name: asyncio.run(profile_shape(shape, args.requests, args.seed, args.tokenizer))
+        for shape in shapes(args.requests)
+    }
+    rows = [
+        [
+            name,
+            *(stages[s] * US for s in STAGES),
+            sum(v for s, v in stages.items() if s != "of which render") * US,
+        ]
+        for name, stages in results.items()
+    ]
+    title = f"gateway CPU per request by stage, µs (median of {args.requests} a shape; HTTP not included)"
+    print(format_table(title, ["shape", *STAGES, "total"], rows))
+    payload = {"requests": args.requests, "replicas": REPLICAS, "block_size": BLOCK_SIZE, "stages_s": results}
+    if args.json:
+        write_json(args.json, payload)
+        _plot(Path(args.json).with_suffix(".png"), title, results)
+    return payload
+
+
+def _plot(path: Path, title: str, results: dict[str, dict[str, float]]) -> None:
+    """One stacked bar per shape, a segment per stage."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    names = list(results)
+    left = [0.0] * len(names)
+    for stage in STAGES:
+        if stage == "of which render":
+            continue
+        widths = [results[n][stage] * US for n in names]
+        ax.barh(names, widths, left=left, label=stage)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set_xlabel("µs per request")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, ncol=4)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
