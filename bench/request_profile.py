@@ -12,9 +12,9 @@ answer and the metrics, which `bench conversation` and `bench overhead` measure 
 the gateway's CPU per request.
 
 Shapes: distinct chats of 50, 200 and 600 words (nothing shared, nothing cached: a new user's first
-turn), a distinct 2,000-token-id completion (no tokenizing), and the later turns of a growing
-conversation (a 1,500-word system prompt, 40-word turns: 6k-9k tokens), with the caches and without.
-Each timing is the median over `--requests` requests of that shape.
+turn), a distinct 2,000-token-id completion (no tokenizing), and rounds 31-60 of growing conversations
+(a 1,500-word system prompt, 40-word turns: 6k-9k tokens), with the caches and without. Each timing
+is the median over `--requests` requests of that shape.
 """
 
 from __future__ import annotations
@@ -55,45 +55,57 @@ US = 1e6
 CACHE_BYTES = 64 * 2**20
 
 
+# A growing conversation as bench conversation sends it; the turns past the first CONVERSATION_WARM
+# of each are timed (6k-9k tokens each), the ones before warm the caches.
+CONVERSATION_ROUNDS, CONVERSATION_WARM = 60, 30
+
+# Bodies of a shape: `count` timed ones, each with whether it is timed (False: it warms the caches).
+Bodies = Callable[[random.Random, int], Iterator[tuple[dict[str, Any], bool]]]
+
+
 @dataclass(frozen=True, slots=True)
 class Shape:
     name: str
     route: str  # "chat" or "completions"
     caches: bool
-    bodies: Callable[[random.Random, int], Iterator[dict[str, Any]]]
-    # Requests sent first and not timed: what warms a conversation's caches.
-    warm_up: int = 0
+    bodies: Bodies
 
 
-def _chats(words: int) -> Callable[[random.Random, int], Iterator[dict[str, Any]]]:
-    def bodies(rng: random.Random, count: int) -> Iterator[dict[str, Any]]:
+def _chats(words: int) -> Bodies:
+    def bodies(rng: random.Random, count: int) -> Iterator[tuple[dict[str, Any], bool]]:
         for _ in range(count):
-            yield {"model": MODEL, "messages": [{"role": "user", "content": sentence(rng, words)}]}
+            yield {"model": MODEL, "messages": [{"role": "user", "content": sentence(rng, words)}]}, True
 
     return bodies
 
 
-def _ids(tokens: int) -> Callable[[random.Random, int], Iterator[dict[str, Any]]]:
-    def bodies(rng: random.Random, count: int) -> Iterator[dict[str, Any]]:
+def _ids(tokens: int) -> Bodies:
+    def bodies(rng: random.Random, count: int) -> Iterator[tuple[dict[str, Any], bool]]:
         for _ in range(count):
-            yield {"model": MODEL, "prompt": [rng.randrange(49152) for _ in range(tokens)], "max_tokens": 4}
+            prompt = [rng.randrange(49152) for _ in range(tokens)]
+            yield {"model": MODEL, "prompt": prompt, "max_tokens": 4}, True
 
     return bodies
 
 
-def _turns(rng: random.Random, count: int) -> Iterator[dict[str, Any]]:
-    for messages in conversation(rng, 1500, 40, count):
-        yield {"model": MODEL, "messages": messages}
+def _turns(rng: random.Random, count: int) -> Iterator[tuple[dict[str, Any], bool]]:
+    timed = 0
+    while timed < count:
+        for n, messages in enumerate(conversation(rng, 1500, 40, CONVERSATION_ROUNDS)):
+            if n >= CONVERSATION_WARM and timed == count:
+                return
+            timed += n >= CONVERSATION_WARM
+            yield {"model": MODEL, "messages": messages}, n >= CONVERSATION_WARM
 
 
-def shapes(requests: int) -> list[Shape]:
+def shapes() -> list[Shape]:
     return [
         Shape("chat, 50 words, new", "chat", True, _chats(50)),
         Shape("chat, 200 words, new", "chat", True, _chats(200)),
         Shape("chat, 600 words, new", "chat", True, _chats(600)),
         Shape("completion, 2k ids, new", "completions", True, _ids(2000)),
-        Shape("conversation turn, caches", "chat", True, _turns, warm_up=requests),
-        Shape("conversation turn, no caches", "chat", False, _turns, warm_up=requests),
+        Shape("conversation turn, caches", "chat", True, _turns),
+        Shape("conversation turn, no caches", "chat", False, _turns),
     ]
 
 
@@ -119,8 +131,8 @@ class _Timed:
 
 
 async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "default") -> dict[str, float]:
-    """Median seconds of each stage over `requests` requests of `shape` (after its warm-up), tokenized
-    with the tokenizer `spec` names."""
+    """Median seconds of each stage over `requests` timed requests of `shape`, tokenized with the
+    tokenizer `spec` names."""
     cache_bytes = CACHE_BYTES if shape.caches else 0
     tokenizers = Tokenizers({MODEL: spec}, cache_bytes=cache_bytes)
     await tokenizers.load([MODEL])
@@ -142,8 +154,7 @@ async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "def
     matched: list[float] = []
     timed_chains, timed_index = _Timed(chains, "block_hashes", hashed), _Timed(index, "match", matched)
     try:
-        for n, body in enumerate(shape.bodies(random.Random(seed), shape.warm_up + requests)):
-            measured = n >= shape.warm_up
+        for body, measured in shape.bodies(random.Random(seed), requests):
             raw = orjson.dumps(body)
             clock = time.perf_counter()
             parsed = parse_json(raw)
@@ -202,7 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("prefixgate bench profile: --requests must be at least 1")
     results = {
         shape.name: asyncio.run(profile_shape(shape, args.requests, args.seed, args.tokenizer))
-        for shape in shapes(args.requests)
+        for shape in shapes()
     }
     rows = [
         [

@@ -111,7 +111,7 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text` as it stands: no BOS or other special token is added."""
-        return _encode(self.backend, text).ids
+        return encode_ids(self.backend, text)
 
     def head_ids(self, text: str, max_chars: int) -> list[int]:
         """The ids of `text`'s first `max_chars` characters that are also the whole text's first ids.
@@ -121,7 +121,7 @@ class Tokenizer:
         the character a margin before the cut (the longest special token, CUT_MARGIN_CHARS at least);
         none where no token holds a character near there."""
         if len(text) <= max_chars:
-            return _encode(self.backend, text).ids
+            return encode_ids(self.backend, text)
         encoding = _encode(self.backend, text[:max_chars])
         last = max_chars - max(CUT_MARGIN_CHARS, _longest_added_token(self.backend))
         for position in range(last, max(last - CUT_MARGIN_CHARS, -1), -1):
@@ -197,7 +197,7 @@ class HeadTokenizer(Tokenizer):
             return []
         if len(text) <= budget.left:
             budget.left -= len(text)
-            return self.whole(text) if self.whole is not None else _encode(self.backend, text).ids
+            return self.whole(text) if self.whole is not None else encode_ids(self.backend, text)
         head, budget.left, budget.cut = budget.left, 0, True
         return self.head_ids(text, head)
 
@@ -206,6 +206,16 @@ def _encode(backend: tokenizers.Tokenizer, text: str) -> tokenizers.Encoding:
     """`text` encoded as a batch of one, which the binding runs without the GIL: a plain encode holds
     it throughout (about a second per MB of text), stalling every other thread, event loop included."""
     return backend.encode_batch([text], add_special_tokens=False)[0]
+
+
+def encode_ids(backend: tokenizers.Tokenizer, text: str) -> list[int]:
+    """The ids of `text`, no special token added, without the GIL (_encode). Where the binding has
+    it (tokenizers >= 0.21), the batch is encoded without character offsets, which only a cut needs
+    (head_ids): a quarter less time for the same ids."""
+    fast = getattr(backend, "encode_batch_fast", None)
+    if fast is None:
+        return _encode(backend, text).ids
+    return fast([text], add_special_tokens=False)[0].ids
 
 
 @lru_cache(maxsize=16)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import tokenizers
 
+from protocol.tokenizer import encode_ids
+
 Encode = Callable[[str], list[int]]
 
 # What an entry costs beside its ids: key, table slot, array header (measured with tracemalloc: ~170).
@@ -65,7 +67,7 @@ class PrefixCache:
         before it does not give the ids of the whole on the sample."""
 
         def encode(text: str) -> list[int]:
-            return backend.encode_batch([text], add_special_tokens=False)[0].ids
+            return encode_ids(backend, text)
 
         if max_bytes <= 0:
             return None

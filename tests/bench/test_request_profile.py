@@ -16,7 +16,7 @@ def test_every_stage_of_every_shape_is_timed(tmp_path: Path) -> None:
     payload = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     results = payload["stages_s"]
-    assert sorted(results) == sorted(shape.name for shape in shapes(3))
+    assert sorted(results) == sorted(shape.name for shape in shapes())
     for name, stages in results.items():
         assert set(stages) == set(STAGES)
         # Every request is parsed, read, hashed, matched, decided, recorded and released.
