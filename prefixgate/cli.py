@@ -28,6 +28,10 @@ BENCHMARKS = {
     "overhead": ("bench.overhead", "the gateway's added latency and capacity"),
     "conversation": ("bench.conversation", "a growing conversation through the gateway, cache on and off"),
     "profile": ("bench.request_profile", "the gateway's CPU per request, stage by stage, per prompt shape"),
+    "throughput": (
+        "bench.throughput",
+        "req/s through prefixgate and sglang-router to a replica costing nothing",
+    ),
     "chaos": ("bench.chaos", "fault scenarios on a live fleet, with a results table"),
     "soak": ("bench.soak", "minutes of load through two gateways: memory, index size, errors"),
     "vllm": ("bench.vllm_bench", "routers compared on real vLLM servers on this CPU (a venv of its own)"),

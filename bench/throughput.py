@@ -1,0 +1,224 @@
+"""`prefixgate bench throughput`: how many requests a second prefixgate carries against a replica that
+costs nothing, beside the replica alone and sglang-router in front of it, one run, the same clients.
+
+The router is the one component every request crosses, so its own cost sets the fleet's ceiling
+where replicas are many and fast. Here one canned replica (bench.canned_replica: a one-token answer
+at once, on llhttp and uvloop) stands for them, and `--clients` keep-alive clients, each sending its
+next request when its answer ends (on uvloop where installed), drive it directly, through a
+prefixgate gateway (approximate mode, the default tokenizer: it renders, tokenizes, hashes, matches
+and records every prompt), and
+through sglang-router's cache_aware policy (a Rust router matching text in a radix tree; from the
+peers venv, bench.peers, left out with the reason when that cannot be made). Every chat is new (a
+pool of distinct chats larger than any phase sends, `--words` words each), non-streaming. Each
+target gets a warm-up and `--duration` seconds, in the order direct, prefixgate, sglang-router, and
+then again in reverse, so that a slow stretch of a shared machine falls on each alike; the table
+gives the better of a target's two phases.
+
+On a small machine the load generator, the router and the replica share the cores: the req/s is the
+machine's with that router in the path, and the router's CPU per request (/proc) is read beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+from tqdm import tqdm
+
+from bench.conversation import sentence
+from bench.local_fleet import Child, Fleet, gateway_config, spawn, start_gateway, wait_healthy
+from bench.peers import peer_router
+from bench.procfs import cpu_s
+from bench.report import bar_panels, format_table, write_json
+from gateway.forward.upstream import UpstreamError
+from gateway.forward.upstream_client import UpstreamClient
+from protocol.loopback_ports import free_port
+from protocol.serving import new_event_loop
+
+MODEL = "canned"
+PEER = "sglang cache_aware"
+TARGETS = ("direct", "prefixgate", PEER)
+# The issue's bar: prefixgate's req/s at least this share of sglang-router's, on 200-word chats.
+BAR_SHARE = 0.6
+HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer none"}
+
+
+# Sentences drawn once per run; a chat is one of them behind a number of its own.
+SENTENCES = 1000
+
+
+def chat_bodies(rng: random.Random, words: int) -> Iterator[bytes]:
+    """Non-streaming chats of about `words` words, each new from its first word (a count), so that no
+    two share a prefix for a router to find cached."""
+    texts = [sentence(rng, words - 1) for _ in range(SENTENCES)]
+    for n in itertools.count():
+        content = f"{n} {texts[n % SENTENCES]}"
+        yield orjson.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        )
+
+
+async def closed_loop(url: str, bodies: Iterator[bytes], clients: int, duration_s: float) -> tuple[int, int]:
+    """`clients` clients, each sending its next body when its answer ends, for `duration_s`: (answered
+    with 200, failed)."""
+    client = UpstreamClient()
+    done = failed = 0
+    loop = asyncio.get_running_loop()
+    end = loop.time() + duration_s
+
+    async def one() -> None:
+        nonlocal done, failed
+        while loop.time() < end:
+            try:
+                response = await client.request(
+                    "POST", url, "/v1/chat/completions", next(bodies), HEADERS, connect_s=10, read_s=30
+                )
+                try:
+                    await response.read()
+                    ok = response.status == 200
+                finally:
+                    response.release()
+            except (UpstreamError, TimeoutError):
+                ok = False
+            done += ok
+            failed += not ok
+
+    try:
+        await asyncio.gather(*(one() for _ in range(clients)))
+    finally:
+        client.close()
+    return done, failed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--words",
+        type=lambda text: [int(w) for w in text.split(",")],
+        default=[50, 200],
+        help="words per chat, one run each, comma-separated",
+    )
+    parser.add_argument(
+        "--clients", type=int, default=32, help="keep-alive clients, each one request at a time"
+    )
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds each target is measured, twice")
+    parser.add_argument(
+        "--warm-up", type=float, default=1.0, help="seconds sent to a target before each phase"
+    )
+    parser.add_argument("--no-peer", action="store_true", help="leave sglang-router out")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the results here, and a PNG next to it")
+
+
+@contextlib.contextmanager
+def targets(workdir: Path, peer: bool) -> Iterator[tuple[dict[str, str], Child, dict[str, str]]]:
+    """The replica and the routers in front of it, ready: (URLs by target, the prefixgate gateway, why
+    a target is missing)."""
+    with Fleet(workdir) as fleet, contextlib.ExitStack() as peers:
+        port = free_port()
+        command = [sys.executable, "-m", "bench.canned_replica", "--port", str(port), "--model", MODEL]
+        replica = fleet.add(spawn("replica", command, f"http://127.0.0.1:{port}", workdir))
+        wait_healthy([replica])
+        config = gateway_config(MODEL, [], policy="prefix_aware")
+        config["models"] = {MODEL: {"tokenizer": "default"}}
+        config["replicas"] = [{"url": replica.url, "id": "canned", "kind": "openai", "model": MODEL}]
+        gateway = fleet.add(start_gateway(workdir, "gateway", config))
+        wait_healthy([gateway])
+        urls = {"direct": replica.url, "prefixgate": gateway.url}
+        missing: dict[str, str] = {}
+        if peer:
+            try:
+                urls[PEER] = peers.enter_context(peer_router(PEER, [replica.url], workdir))
+            except RuntimeError as error:
+                missing[PEER] = str(error).splitlines()[0]
+        else:
+            missing[PEER] = "left out (--no-peer)"
+        yield urls, gateway, missing
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.clients < 1 or args.duration <= 0 or args.warm_up < 0 or min(args.words) < 1:
+        raise SystemExit("prefixgate bench throughput: --clients, --duration and --words must be positive")
+    rng = random.Random(args.seed)
+    results: dict[int, dict[str, Any]] = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="prefixgate-throughput-") as tmp,
+        targets(Path(tmp), not args.no_peer) as (urls, gateway, missing),
+        asyncio.Runner(loop_factory=new_event_loop) as runner,
+    ):
+        order = [t for t in TARGETS if t in urls]
+        phases = order + order[::-1]
+        for words in args.words:
+            bodies = chat_bodies(rng, words)
+            rates: dict[str, list[float]] = {t: [] for t in order}
+            cpu: dict[str, list[float]] = {t: [] for t in order}
+            failures = dict.fromkeys(order, 0)
+            for target in tqdm(phases, desc=f"{words}-word chats"):
+                runner.run(closed_loop(urls[target], bodies, args.clients, args.warm_up))
+                before = cpu_s(gateway.pid)
+                start = time.perf_counter()
+                done, failed = runner.run(closed_loop(urls[target], bodies, args.clients, args.duration))
+                elapsed = time.perf_counter() - start
+                rates[target].append(done / elapsed)
+                if target == "prefixgate":
+                    cpu[target].append((cpu_s(gateway.pid) - before) / max(done, 1))
+                failures[target] += failed
+            results[words] = {
+                "req_s": {t: max(r) for t, r in rates.items()},
+                "phases_req_s": rates,
+                "failed": failures,
+                "prefixgate_cpu_s_per_request": min(cpu["prefixgate"]) if cpu["prefixgate"] else None,
+            }
+    payload = {
+        "config": {"clients": args.clients, "duration_s": args.duration, "words": args.words},
+        "missing": missing,
+        "results": results,
+    }
+    print(_tables(payload))
+    if args.json:
+        write_json(args.json, payload)
+        bar_panels(
+            Path(args.json).with_suffix(".png"),
+            f"requests/s, {args.clients} keep-alive clients, new non-streaming chats",
+            [(f"{w}-word chats", r["req_s"]) for w, r in results.items()],
+        )
+    return payload
+
+
+def _tables(p: dict[str, Any]) -> str:
+    rows = []
+    for words, r in p["results"].items():
+        rates = r["req_s"]
+        peer = rates.get(PEER)
+        rows.append(
+            [
+                f"{words} words",
+                *(rates.get(t, "-") for t in TARGETS),
+                rates["prefixgate"] / peer if peer else "-",
+                (r["prefixgate_cpu_s_per_request"] or 0) * 1e3,
+                sum(r["failed"].values()),
+            ]
+        )
+    header = [
+        "chats",
+        *(f"{t} req/s" for t in TARGETS),
+        "prefixgate / peer",
+        "prefixgate CPU ms/req",
+        "failed",
+    ]
+    title = (
+        f"throughput, {p['config']['clients']} clients, better of two {p['config']['duration_s']:g} s phases"
+    )
+    lines = [format_table(title, header, rows)]
+    lines += [f"{target}: {why}" for target, why in p["missing"].items()]
+    lines.append(f"bar: prefixgate >= {BAR_SHARE:g}x sglang-router's req/s on 200-word chats")
+    return "\n".join(lines)

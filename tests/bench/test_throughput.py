@@ -1,0 +1,53 @@
+"""`bench throughput` end to end (the replica and the gateway as processes, the peer left out), and the
+chats it sends: each new from its first word."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bench.throughput import PEER, chat_bodies
+from prefixgate.cli import main
+
+
+def test_no_two_chats_share_a_first_word() -> None:
+    chats = [orjson.loads(b) for b in itertools.islice(chat_bodies(random.Random(0), 10), 3000)]
+    firsts = [c["messages"][0]["content"].split()[0] for c in chats]
+    assert len(set(firsts)) == len(chats)
+    assert all(len(c["messages"][0]["content"].split()) == 10 for c in chats)
+    assert all(c["max_tokens"] == 1 and "stream" not in c for c in chats)
+
+
+@pytest.mark.fleet
+def test_cli_measures_the_replica_and_the_gateway(tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    argv = [
+        "bench",
+        "throughput",
+        "--words",
+        "20,60",
+        "--clients",
+        "4",
+        "--duration",
+        "0.5",
+        "--warm-up",
+        "0.2",
+    ]
+    main([*argv, "--no-peer", "--json", str(out)])
+    payload = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert payload["missing"] == {PEER: "left out (--no-peer)"}
+    for words in ("20", "60"):
+        result = payload["results"][words]
+        assert set(result["req_s"]) == {"direct", "prefixgate"}
+        assert all(rate > 0 for rate in result["req_s"].values())
+        # Each target measured twice (ABBA), its better phase reported.
+        assert all(len(p) == 2 for p in result["phases_req_s"].values())
+        assert result["req_s"]["prefixgate"] == max(result["phases_req_s"]["prefixgate"])
+        assert result["failed"] == {"direct": 0, "prefixgate": 0}
+        assert result["prefixgate_cpu_s_per_request"] > 0
