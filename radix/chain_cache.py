@@ -19,7 +19,6 @@ recently used out first. Not thread-safe: the gateway routes on its event loop a
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ import numpy as np
 import xxhash
 
 from radix.hashing import chain_packed, pack_tokens, root_hash
+from radix.packed_lru import PackedLRU
 
 # Blocks between checkpoints: what a hit may still have to hash, at most, beyond what is new.
 STRIDE = 16
@@ -53,7 +53,7 @@ class ChainCache:
             raise ValueError(f"max_bytes must be >= 0 and stride >= 1, got {max_bytes} and {stride}")
         self.max_bytes = max_bytes
         self.stride = stride
-        self._entries: OrderedDict[Key, array[int]] = OrderedDict()
+        self._chains: PackedLRU[Key] = PackedLRU(max_bytes, ENTRY_OVERHEAD_BYTES)
         self.stats = ChainStats()
 
     def block_hashes(
@@ -70,15 +70,8 @@ class ChainCache:
         if not marks or self.max_bytes == 0:
             return chain_packed(root, data, block_size)
         keys = _checkpoint_keys(data, step, marks, root, block_size)
-        chain: list[int] = []
-        start = 0
-        entries = self._entries
-        for mark, key in zip(reversed(marks), reversed(keys), strict=True):
-            found = entries.get(key)
-            if found is not None:
-                entries.move_to_end(key)
-                chain, start = found.tolist(), mark
-                break
+        found = self._chains.longest(keys)
+        chain, start = ([], 0) if found is None else (found[1], marks[found[0]])
         chain += chain_packed(chain[-1] if chain else root, data[start * step : blocks * step], block_size)
         self._keep(chain, marks[-2:], keys[-2:], start)
         return chain
@@ -91,15 +84,9 @@ class ChainCache:
             stats.misses += 1
         stats.reused_blocks += start
         stats.hashed_blocks += len(chain) - start
-        entries = self._entries
         for mark, key in zip(marks, keys, strict=True):
-            if key not in entries:
-                entries[key] = array("Q", chain[:mark])
-                stats.bytes += _cost(mark)
-        while stats.bytes > self.max_bytes and entries:
-            _, dropped = entries.popitem(last=False)
-            stats.bytes -= _cost(len(dropped))
-        stats.entries = len(entries)
+            self._chains.keep(key, array("Q", chain[:mark]))
+        stats.bytes, stats.entries = self._chains.bytes, len(self._chains)
 
 
 def _checkpoint_keys(data: bytes, step: int, marks: range, root: int, block_size: int) -> list[Key]:
@@ -114,7 +101,3 @@ def _checkpoint_keys(data: bytes, step: int, marks: range, root: int, block_size
         done = end
         keys.append((root, block_size, running.intdigest()))
     return keys
-
-
-def _cost(hashes: int) -> int:
-    return 8 * hashes + ENTRY_OVERHEAD_BYTES

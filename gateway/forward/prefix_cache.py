@@ -24,13 +24,14 @@ import hashlib
 import itertools
 import threading
 from array import array
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import tokenizers
 
 from protocol.tokenizer import encode_ids
+from radix.packed_lru import PackedLRU
 
 Encode = Callable[[str], list[int]]
 
@@ -56,7 +57,7 @@ class PrefixCache:
         self._encode = encode
         self.markers = markers
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._prefixes: PackedLRU[bytes] = PackedLRU(max_bytes, ENTRY_OVERHEAD_BYTES)
         self._lock = threading.Lock()
         self.stats = CacheStats()
 
@@ -102,15 +103,9 @@ class PrefixCache:
         if not cuts:
             return self._encode(text)
         digests = _digests(text, cuts)
-        ids: list[int] = []
-        start = 0
         with self._lock:
-            for at, digest in zip(reversed(cuts), reversed(digests), strict=True):
-                found = self._entries.get(digest)
-                if found is not None:
-                    self._entries.move_to_end(digest)
-                    ids, start = found.tolist(), at
-                    break
+            found = self._prefixes.longest(digests)
+        ids, start = ([], 0) if found is None else (found[1], cuts[found[0]])
         reused = len(ids)
         kept = {at: digest for at, digest in zip(cuts[-2:], digests[-2:], strict=True) if at > start}
         bounds = [start, *kept, len(text)]
@@ -126,13 +121,8 @@ class PrefixCache:
         with self._lock:
             stats = self.stats
             for digest, packed in new:
-                if digest not in self._entries:
-                    self._entries[digest] = packed
-                    stats.bytes += _cost(packed)
-            while stats.bytes > self.max_bytes and self._entries:
-                _, dropped = self._entries.popitem(last=False)
-                stats.bytes -= _cost(dropped)
-            stats.entries = len(self._entries)
+                self._prefixes.keep(digest, packed)
+            stats.bytes, stats.entries = self._prefixes.bytes, len(self._prefixes)
             if reused:
                 stats.hits += 1
             else:
@@ -151,7 +141,3 @@ def _digests(text: str, cuts: list[int]) -> list[bytes]:
         digests.append(running.copy().digest())
         last = cut
     return digests
-
-
-def _cost(packed: array[int]) -> int:
-    return packed.itemsize * len(packed) + ENTRY_OVERHEAD_BYTES
