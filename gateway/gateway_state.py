@@ -56,7 +56,6 @@ class GatewayState:
     def __post_init__(self) -> None:
         self.configure(self.config)
         self.tokenizers = tokenizers_of(self.config)
-        self.chains = ChainCache(self.config.limits.hash_cache_mib * 2**20)
         # Read through self at each scrape: a reload swaps the tokenizers.
         self.metrics.watch_caches(lambda: self.tokenizers.cache_stats(), lambda: self.chains.stats)
 
@@ -66,6 +65,9 @@ class GatewayState:
         self.config = config
         self.policy = build_policy(config.routing)
         self.pd = build_pd(config.routing)
+        bound = config.limits.hash_cache_mib * 2**20
+        if not hasattr(self, "chains") or self.chains.max_bytes != bound:
+            self.chains = ChainCache(bound)  # kept across a reload that leaves its bound as it was
 
     @property
     def approximate_everywhere(self) -> bool:
