@@ -18,25 +18,41 @@ from bench.probes import wait_for
 from tests.support.gateways import SIM_MODEL, RunningGateway, sim_worker_args
 from tests.support.servers import free_port
 
+# Workers that lost their port to another process as they started, tried again on a new one.
+START_TRIES = 3
+
 
 @pytest.fixture
-def spawn_worker() -> Iterator[Callable[[str, int], subprocess.Popen[bytes]]]:
+def spawn_worker() -> Iterator[Callable[[str, int | None], tuple[subprocess.Popen[bytes], int]]]:
+    """Start a simulated worker as `worker_id` on `port` and wait until it is the one answering there;
+    with no port, on a free one, tried again on another should a process bind it first (free_port can
+    only say it was free when it looked)."""
     procs: list[subprocess.Popen[bytes]] = []
 
-    def spawn(worker_id: str, port: int) -> subprocess.Popen[bytes]:
+    def start(worker_id: str, port: int) -> subprocess.Popen[bytes] | None:
         args = sim_worker_args(worker_id, port, "--log-level", "WARNING")
         proc = subprocess.Popen([sys.executable, "-m", "prefixgate", *args])
         procs.append(proc)
 
-        def healthy() -> bool:
-            assert proc.poll() is None, f"worker {worker_id} exited with {proc.returncode}"
+        def up() -> bool:
+            if proc.poll() is not None:
+                return True
             try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
             except httpx.HTTPError:
                 return False
+            return health.status_code == 200 and health.json().get("worker_id") == worker_id
 
-        wait_for(healthy, f"worker {worker_id}", timeout=60)
-        return proc
+        wait_for(up, f"worker {worker_id}", timeout=60)
+        return proc if proc.poll() is None else None
+
+    def spawn(worker_id: str, port: int | None = None) -> tuple[subprocess.Popen[bytes], int]:
+        for _ in range(START_TRIES if port is None else 1):
+            chosen = port or free_port()
+            proc = start(worker_id, chosen)
+            if proc is not None:
+                return proc, chosen
+        raise AssertionError(f"worker {worker_id} exited as it started (its port taken?)")
 
     yield spawn
     for proc in procs:
@@ -57,11 +73,12 @@ def long_request(gateway: RunningGateway, stream: bool) -> httpx.Response:
 
 
 def test_a_killed_replica_costs_no_request_that_had_not_started_streaming(
-    spawn_worker: Callable[[str, int], subprocess.Popen[bytes]],
+    spawn_worker: Callable[[str, int | None], tuple[subprocess.Popen[bytes], int]],
     start_gateway: Callable[..., RunningGateway],
 ) -> None:
-    ports = {"k0": free_port(), "k1": free_port()}
-    procs = {rid: spawn_worker(rid, port) for rid, port in ports.items()}
+    procs, ports = {}, {}
+    for rid in ("k0", "k1"):
+        procs[rid], ports[rid] = spawn_worker(rid, None)
     gateway = start_gateway(
         [f"http://127.0.0.1:{p}" for p in ports.values()],
         routing={"policy": "round_robin"},
