@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import itertools
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -191,14 +192,7 @@ async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "def
             times["release"].append(released - recorded)
     finally:
         tokenizers.close()
-    return {stage: _median(values) for stage, values in times.items()}
-
-
-def _median(values: list[float]) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+    return {stage: statistics.median(values) if values else 0.0 for stage, values in times.items()}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

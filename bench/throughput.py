@@ -68,7 +68,7 @@ def chat_bodies(rng: random.Random, words: int) -> Iterator[bytes]:
         )
 
 
-async def closed_loop(url: str, bodies: Iterator[bytes], clients: int, duration_s: float) -> tuple[int, int]:
+async def chat_loop(url: str, bodies: Iterator[bytes], clients: int, duration_s: float) -> tuple[int, int]:
     """`clients` clients, each sending its next body when its answer ends, for `duration_s`: (answered
     with 200, failed)."""
     client = UpstreamClient()
@@ -163,10 +163,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cpu: dict[str, list[float]] = {t: [] for t in order}
             failures = dict.fromkeys(order, 0)
             for target in tqdm(phases, desc=f"{words}-word chats"):
-                runner.run(closed_loop(urls[target], bodies, args.clients, args.warm_up))
+                runner.run(chat_loop(urls[target], bodies, args.clients, args.warm_up))
                 before = cpu_s(gateway.pid)
                 start = time.perf_counter()
-                done, failed = runner.run(closed_loop(urls[target], bodies, args.clients, args.duration))
+                done, failed = runner.run(chat_loop(urls[target], bodies, args.clients, args.duration))
                 elapsed = time.perf_counter() - start
                 rates[target].append(done / elapsed)
                 if target == "prefixgate":

@@ -51,10 +51,13 @@ class ChainCache:
     def __init__(self, max_bytes: int, stride: int = STRIDE) -> None:
         if max_bytes < 0 or stride < 1:
             raise ValueError(f"max_bytes must be >= 0 and stride >= 1, got {max_bytes} and {stride}")
-        self.max_bytes = max_bytes
         self.stride = stride
         self._chains: PackedLRU[Key] = PackedLRU(max_bytes, ENTRY_OVERHEAD_BYTES)
         self.stats = ChainStats()
+
+    @property
+    def max_bytes(self) -> int:
+        return self._chains.max_bytes
 
     def block_hashes(
         self, token_ids: Sequence[int] | np.ndarray, block_size: int, model: str, adapter: str = ""

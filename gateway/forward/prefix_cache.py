@@ -56,7 +56,6 @@ class PrefixCache:
     def __init__(self, encode: Encode, markers: tuple[str, ...], max_bytes: int) -> None:
         self._encode = encode
         self.markers = markers
-        self.max_bytes = max_bytes
         self._prefixes: PackedLRU[bytes] = PackedLRU(max_bytes, ENTRY_OVERHEAD_BYTES)
         self._lock = threading.Lock()
         self.stats = CacheStats()
