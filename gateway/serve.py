@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from aiohttp import web
 
 from gateway.gateway_config import load_config
 from gateway.http.app import create_app
@@ -26,7 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, extend: Callable[[web.Application], None] | None = None) -> int:
+    """Serve until interrupted; `extend` adds to the app before it starts (the endpoint picker's
+    gRPC services: gateway.epp.serve)."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -39,5 +44,7 @@ def run(args: argparse.Namespace) -> int:
     listen = config.listen.model_copy(update=overrides)
     config = config.model_copy(update={"listen": listen})
     app = create_app(config, config_path=Path(args.config))
+    if extend is not None:
+        extend(app)
     serve(app, args.event_loop, host=listen.host, port=listen.port)
     return 0

@@ -15,6 +15,7 @@ import sys
 COMMANDS = {
     "worker": ("workers.worker_cli", "run a bundled worker (engine + HTTP API)"),
     "serve": ("gateway.serve", "run the gateway from its YAML config"),
+    "epp": ("gateway.epp.serve", "run the gateway as an Envoy endpoint picker (ext_proc)"),
     "up": ("prefixgate.up", "the local fleet: a gateway and SmolLM2 workers"),
 }
 BENCHMARKS = {
@@ -32,6 +33,7 @@ BENCHMARKS = {
         "bench.throughput",
         "req/s through prefixgate and sglang-router to a replica costing nothing",
     ),
+    "epp": ("bench.epp_latency", "prefixgate as Envoy's endpoint picker against Envoy alone and the proxy"),
     "chaos": ("bench.chaos", "fault scenarios on a live fleet, with a results table"),
     "soak": ("bench.soak", "minutes of load through two gateways: memory, index size, errors"),
     "vllm": ("bench.vllm_bench", "routers compared on real vLLM servers on this CPU (a venv of its own)"),

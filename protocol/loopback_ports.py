@@ -28,6 +28,14 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port in the {_PORTS_BELOW_EPHEMERAL} below {floor}")
 
 
+def distinct_ports(count: int) -> list[int]:
+    """Loopback ports nothing listens on now, all different (free_port)."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    return list(ports)
+
+
 def ephemeral_floor() -> int:
     """The lowest port the kernel gives outgoing connections (Linux's default when it cannot say)."""
     try:

@@ -7,13 +7,14 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.forward.choice import model_of, session_key
 from gateway.forward.pd_legs import PAIRED_ROUTES
 from gateway.forward.request_view import Route, read_request
 from gateway.forward.router import decide
 from gateway.gateway_config import ReplicaEntry
 from gateway.gateway_state import GatewayState
 from gateway.http.keys import GATEWAY, STATE
-from gateway.http.reading import model_of, read_body, session_key
+from gateway.http.reading import read_body
 from protocol.errors import ApiError
 from protocol.openai_api import parse_json
 
@@ -85,7 +86,7 @@ async def debug_route(request: web.Request) -> web.Response:
         )
     prompt = await state.tokenizers.prompt(view, model, state.config.limits)
     tokens = prompt.ids if prompt is not None else None
-    session = session_key(state, request, view)
+    session = session_key(state, request.headers, view)
     replicas = state.replicas.serving(model)
     paired = route in PAIRED_ROUTES
     decision = decide(state.policy, state.index, replicas, tokens, session, state.pd, paired, state.chains)

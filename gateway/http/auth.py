@@ -19,10 +19,10 @@ _JSON = "application/json"
 _MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
-def _bearer(request: web.Request) -> bytes | None:
-    """The bearer token's bytes, as the client sent them (aiohttp hands header values over as UTF-8
-    with surrogate escapes, which give them back), or None when there is none."""
-    header = request.headers.get("Authorization", "")
+def _bearer(header: str) -> bytes | None:
+    """The bearer token's bytes of an Authorization header, as the client sent them (aiohttp hands
+    header values over as UTF-8 with surrogate escapes, which give them back), or None when there is
+    none."""
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
@@ -55,14 +55,7 @@ def authorize(state: GatewayState, request: web.Request) -> None:
     text a page may send without asking first: 415)."""
     path = request.path
     if proxied_path(path):
-        keys = state.config.api_keys()
-        if keys and not _matches(_bearer(request), keys):
-            raise ApiError(
-                401,
-                "a valid API key is required (Authorization: Bearer KEY)",
-                code="invalid_api_key",
-                type="authentication_error",
-            )
+        check_api_key(state, request.headers.get("Authorization", ""))
     elif path.startswith(("/admin/", "/debug/")):
         admin = state.config.admin_token()
         if admin is None:
@@ -75,11 +68,23 @@ def authorize(state: GatewayState, request: web.Request) -> None:
                 )
             _loopback_host(request)
         _same_origin(request)
-        if admin is not None and not _matches(_bearer(request), [admin]):
+        if admin is not None and not _matches(_bearer(request.headers.get("Authorization", "")), [admin]):
             raise ApiError(
                 401, "the admin token is required", code="invalid_admin_token", type="authentication_error"
             )
         _json_only(request)
+
+
+def check_api_key(state: GatewayState, authorization: str) -> None:
+    """A 401 unless the Authorization header holds one of the API keys (where any are configured)."""
+    keys = state.config.api_keys()
+    if keys and not _matches(_bearer(authorization), keys):
+        raise ApiError(
+            401,
+            "a valid API key is required (Authorization: Bearer KEY)",
+            code="invalid_api_key",
+            type="authentication_error",
+        )
 
 
 def _authority(value: str) -> tuple[str, int | None] | None:

@@ -1,36 +1,29 @@
 """The OpenAI API's handlers and the gateway's own public routes (health, liveness, metrics, OpenAPI).
 
 A proxied request goes read → decide → forward: its body read under the gateway's limits
-(gateway.http.reading), the policy's choice made by prefix or by load (gateway.forward.router), what the
-chosen replica is then expected to hold recorded (gateway.fleet.expectations), and the request forwarded
+(gateway.http.reading), the policy's choice made by prefix or by load and what the chosen replica is
+then expected to hold recorded (gateway.forward.choice), and the request forwarded
 (gateway.forward.proxy).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import re
 import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from gateway.fleet.expectations import NOTHING, expect, settle
-from gateway.fleet.replicas import Replica
-from gateway.forward.pd_legs import PAIRED_ROUTES
+from gateway.fleet.expectations import settle
+from gateway.forward.choice import choose, expect_first, model_of
 from gateway.forward.proxy import forward
-from gateway.forward.request_view import PREFIX_ROUTES, RequestView, Route, read_request
+from gateway.forward.request_view import PREFIX_ROUTES, Route, read_request
 from gateway.forward.routed import Routed
-from gateway.forward.router import Decision, decide
 from gateway.gateway_state import GatewayState
 from gateway.http.keys import GATEWAY, STATE
 from gateway.http.openapi import OPENAPI
-from gateway.http.reading import forwarded_headers, json_body, model_of, read_body, session_key
-from protocol.errors import RETRY_AFTER_S, ApiError
+from gateway.http.reading import forwarded_headers, json_body, read_body
 from protocol.serving import METRICS_CONTENT_TYPE
 
-# A Responses API object by id (GET, DELETE, /cancel, /input_items): served where it was produced.
-_RESPONSE_PATH = re.compile(r"^/v1/responses/([^/]+)")
 PROXIED_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 
 
@@ -53,25 +46,14 @@ async def _proxied(request: web.Request, route: Route) -> web.StreamResponse:
     requests need."""
     state = request.app[STATE]
     arrival = time.monotonic()
-    _admissible(state)
+    state.admit()
     raw = await read_body(state, request) if request.body_exists else b""
-    _admissible(state)
+    state.admit()
     state.inflight += 1
     try:
         return await _route_and_forward(state, request, route, raw, arrival)
     finally:
         state.inflight -= 1
-
-
-def _admissible(state: GatewayState) -> None:
-    limit = state.config.limits.max_inflight
-    if state.inflight >= limit:
-        raise ApiError(
-            429,
-            f"the gateway is at its limit of {limit} requests in flight; retry shortly",
-            code="gateway_overloaded",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
 
 
 async def _route_and_forward(
@@ -83,22 +65,8 @@ async def _route_and_forward(
     replicas = state.replicas.serving(model) if model is not None else state.replicas.all()
     prompt = await state.tokenizers.prompt(view, model, state.config.limits) if model is not None else None
     tokens = prompt.ids if prompt is not None else None
-    decision = await _decide(state, request, route, view, replicas, tokens)
-    expectation = NOTHING
-    if route in PREFIX_ROUTES:
-        state.metrics.child(state.metrics.decision, decision.policy).observe(decision.seconds)
-        chosen = state.replicas.get(decision.order[0]) if decision.order else None
-        hashes = decision.hashes.get(chosen.block_size) if chosen is not None else None
-        if chosen is not None and hashes:
-            expectation = expect(
-                state.index,
-                state.predictions,
-                chosen,
-                hashes,
-                precise=chosen.precise,
-                now=time.time(),
-                request_timeout_s=state.config.limits.request_timeout_s,
-            )
+    decision = await choose(state, request.path, request.headers, route, view, replicas, tokens)
+    expectation = expect_first(state, route, decision)
     routed = Routed(
         route=route,
         model=model or "",
@@ -119,33 +87,6 @@ async def _route_and_forward(
         return await forward(state, request, routed)
     finally:
         settle(state.index, expectation)
-
-
-async def _decide(
-    state: GatewayState,
-    request: web.Request,
-    route: Route,
-    view: RequestView,
-    replicas: list[Replica],
-    tokens: list[int] | None,
-) -> Decision:
-    """The policy's choice by prefix, or by load; a stored response's own replica first and alone, when
-    it can take the request (no other replica holds that response)."""
-    if route in PREFIX_ROUTES:
-        session = session_key(state, request, view)
-        paired = route in PAIRED_ROUTES
-        decision = decide(
-            state.policy, state.index, replicas, tokens, session, state.pd, paired, state.chains
-        )
-    else:
-        decision = decide(state.by_load, state.index, [r for r in replicas if r.role != "prefill"], None)
-    found = _RESPONSE_PATH.match(request.path)
-    response_id = view.previous_response_id or (found.group(1) if found else None)
-    if response_id is not None:
-        owner = state.replicas.get(await state.response_owners.owner(response_id) or "")
-        if owner is not None and owner.routable and owner in replicas:
-            return dataclasses.replace(decision, order=[owner.id])
-    return decision
 
 
 async def models(request: web.Request) -> web.Response:

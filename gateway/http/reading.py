@@ -1,5 +1,6 @@
 """What the gateway reads of a client's HTTP request before routing it: which route it is, its body
-(decoded, bounded in size and in time), its model, its session key, and the headers that go upstream."""
+(decoded, bounded in size and in time) and the headers that go upstream (its model and session key:
+gateway.forward.choice)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from multidict import CIMultiDict
 
 from gateway.forward.internal_fields import INTERNAL_HEADER_PREFIX
 from gateway.forward.relay_headers import HOP_BY_HOP, connection_named
-from gateway.forward.request_view import RequestView, Route
+from gateway.forward.request_view import Route
 from gateway.gateway_state import GatewayState
 from protocol.errors import ApiError
 from protocol.openai_api import parse_json
@@ -59,40 +60,6 @@ def route_of(request: web.Request) -> Route:
 def proxied_path(path: str) -> bool:
     """The API routes: keys apply, and their outcomes are counted."""
     return path.startswith("/v1/") or path in NAMED_ROUTES
-
-
-def model_of(state: GatewayState, name: str | None, required: bool) -> str | None:
-    """The model a request is for: the one it names, else the default one (the configured default, or
-    the only one). Naming a model no replica serves is a 404. A route that needs a model (`required`)
-    and names none when several are served is a 400; any other is then served by any replica."""
-    models = state.replicas.models()
-    if name is None:
-        if state.config.model is not None and state.config.model in models:
-            return state.config.model
-        if len(models) == 1:
-            return models[0]
-        if not required:
-            return None
-        raise ApiError(
-            400, f"model is required: this gateway serves {models}", param="model", code="model_required"
-        )
-    if name not in models:
-        raise ApiError(
-            404,
-            f"the model {name!r} does not exist; this gateway serves {models}",
-            param="model",
-            code="model_not_found",
-        )
-    return name
-
-
-def session_key(state: GatewayState, request: web.Request, view: RequestView) -> str | None:
-    """The session header, else the `user` field. A header is bytes, whatever it holds: one that is not
-    UTF-8 (aiohttp's surrogate escapes) is a key as good as any, its bytes written as escapes."""
-    header = request.headers.get(state.config.routing.session_affinity.header)
-    if header:
-        return header.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    return view.user
 
 
 def forwarded_headers(request: web.Request) -> CIMultiDict[str]:

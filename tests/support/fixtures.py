@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from bench.local_fleet import Fleet
+from gateway.epp.serve import grpc_service
 from gateway.gateway_config import parse_config
 from gateway.http.app import create_app
 from prefixgate.cli import build_parser
@@ -47,9 +48,13 @@ def start_sim_worker() -> Iterator[Callable[..., SimWorker]]:
 
 @pytest.fixture
 def start_gateway() -> Iterator[Callable[..., RunningGateway]]:
+    """In-process gateways; `picker=True` adds the endpoint picker's gRPC services (gateway.epp) on a
+    port of their own (RunningGateway.grpc_port)."""
     servers: list[ServerThread] = []
 
-    def start(urls: list[str], wait_for: int | None = None, **config: Any) -> RunningGateway:
+    def start(
+        urls: list[str], wait_for: int | None = None, picker: bool = False, **config: Any
+    ) -> RunningGateway:
         data = {
             "replicas": [{"url": u} for u in urls],
             "models": {SIM_MODEL: {"tokenizer": "default"}},
@@ -57,9 +62,12 @@ def start_gateway() -> Iterator[Callable[..., RunningGateway]]:
             **config,
         }
         app = create_app(parse_config(data))
+        grpc_port = free_port() if picker else None
+        if grpc_port is not None:
+            app.cleanup_ctx.append(grpc_service("127.0.0.1", grpc_port))
         server = ServerThread(app)
         servers.append(server)
-        running = RunningGateway(server.start(), app, server)
+        running = RunningGateway(server.start(), app, server, grpc_port)
         running.wait_routable(len(urls) if wait_for is None else wait_for)
         return running
 

@@ -48,6 +48,8 @@ class RunningGateway:
     url: str
     app: Any
     server: ServerThread
+    # The endpoint picker's gRPC port, where the gateway serves one.
+    grpc_port: int | None = None
 
     @property
     def gw(self) -> Gateway:
@@ -96,6 +98,15 @@ def foreign_backend(
         yield server.start()
     finally:
         server.stop()
+
+
+# A simulated worker that reads text itself, in words: a backend with a tokenizer of its own.
+WORD_WORKER = ("--sim-tokenizer", "words")
+
+
+def foreign_entries(workers: list[SimWorker], block_size: int = 16) -> list[dict[str, object]]:
+    """Config entries declaring simulated workers foreign OpenAI servers (approximate mode)."""
+    return [{"url": w.url, "id": w.id, "kind": "openai", "block_size": block_size} for w in workers]
 
 
 def sim_worker_args(worker_id: str, port: int, *extra: str) -> list[str]:

@@ -7,17 +7,9 @@ import threading
 
 from aiohttp import web
 
-from protocol.loopback_ports import free_port
+from protocol.loopback_ports import distinct_ports, free_port
 
 __all__ = ["ServerThread", "distinct_ports", "free_port"]
-
-
-def distinct_ports(count: int) -> list[int]:
-    """Loopback ports nothing listens on now, all different, below the ephemeral range (free_port)."""
-    ports: set[int] = set()
-    while len(ports) < count:
-        ports.add(free_port())
-    return list(ports)
 
 
 class ServerThread:
