@@ -30,7 +30,7 @@ from gateway.forward.choice import choose, expect_first, model_of
 from gateway.forward.outcome import TAIL_BYTES, account, first_token, reported_usage
 from gateway.forward.request_view import PREFIX_ROUTES, Route, read_request
 from gateway.forward.routed import Routed
-from gateway.forward.sse_events import EventTooLarge, OutputWatch
+from gateway.forward.sse_events import EventTooLarge, OutputWatch, ResponseIdScan, response_body_id
 from gateway.gateway_state import GatewayState
 from gateway.http.auth import check_api_key
 from gateway.http.reading import NAMED_ROUTES
@@ -52,6 +52,9 @@ class Exchange:
         self.status = 0
         self.response_headers: dict[str, str] = {}
         self.watch: OutputWatch | None = None
+        # A Responses answer names its response, which is remembered with the replica that holds it.
+        self.scan: ResponseIdScan | None = None
+        self.whole: bytearray | None = None
         self.started = False
         self.tail = b""
         self.accounted = False
@@ -122,9 +125,12 @@ class Exchange:
             self._finish_dispatch()
             self._dispatch(replica)
         ok = self.status == 200
-        self.watch = OutputWatch() if ok and headers.get("content-type", "").startswith(_SSE) else None
+        streamed = headers.get("content-type", "").startswith(_SSE)
+        self.watch = OutputWatch() if ok and streamed else None
+        if ok and self.routed.route == "responses":
+            self.scan, self.whole = (ResponseIdScan(), None) if streamed else (None, bytearray())
 
-    def chunk(self, data: bytes, end: bool) -> None:
+    async def chunk(self, data: bytes, end: bool) -> None:
         """A piece of the answer's body, on its way to the client."""
         if self.routed is None or self.replica is None:
             return
@@ -132,8 +138,25 @@ class Exchange:
             self.started = True
             first_token(self.state, self.routed, self.replica, self.handle)
         self.tail = (self.tail + data)[-TAIL_BYTES:]
+        await self._response_id(data, end)
         if end:
             self.ended()
+
+    async def _response_id(self, data: bytes, end: bool) -> None:
+        """Remember a Responses answer's id with its replica: from a stream's first events, or from a
+        whole answer's body (read whole up to the gateway's body limit)."""
+        assert self.replica is not None
+        found = None
+        if self.scan is not None:
+            found = self.scan.feed(data)
+        elif self.whole is not None:
+            self.whole += data
+            if len(self.whole) > self.state.config.limits.max_body_bytes:
+                self.whole = None
+            elif end:
+                found = response_body_id(bytes(self.whole))
+        if found is not None:
+            await self.state.response_owners.remember(found, self.replica.id)
 
     def _output(self, data: bytes) -> bool:
         """Whether the answer's output has begun with `data`: any byte of a whole answer; a stream's

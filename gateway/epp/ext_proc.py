@@ -103,7 +103,7 @@ class _Stream:
             return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
         if phase == "response_body":
             chunk = message.response_body
-            self.exchange.chunk(chunk.body, chunk.end_of_stream)
+            await self.exchange.chunk(chunk.body, chunk.end_of_stream)
             return [_body_reply("response_body", chunk.body, chunk.end_of_stream)]
         if phase == "response_trailers":
             self.exchange.ended()

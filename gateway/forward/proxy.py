@@ -52,7 +52,7 @@ from gateway.forward.outcome import ACCOUNTED, TAIL_BYTES, account, first_token,
 from gateway.forward.pd_legs import REFUSALS, PrefillFailed, PrefillLeg, prefill_leg
 from gateway.forward.relay_headers import response_headers, upstream_headers
 from gateway.forward.routed import Routed
-from gateway.forward.sse_events import OutputWatch, ResponseIdScan, UsageStrip
+from gateway.forward.sse_events import OutputWatch, ResponseIdScan, UsageStrip, response_body_id
 from gateway.forward.upstream import UpstreamError, UpstreamResponse, error_kind
 from gateway.gateway_state import GatewayState
 from protocol.errors import CLIENT_GONE, ApiError
@@ -243,7 +243,7 @@ async def _relay_body(
     if status == 200:
         first_token(state, routed, attempt.replica, attempt.handle)
         if routed.route == "responses":
-            response_id = _response_id(body)
+            response_id = response_body_id(body)
             if response_id is not None:
                 await state.response_owners.remember(response_id, attempt.replica.id)
     account(
@@ -456,12 +456,3 @@ def _successor(state: GatewayState, routed: Routed, tried: set[str], kind: str) 
         return replica
     return None
 
-
-def _response_id(body: bytes) -> str | None:
-    """The `id` of a Responses API answer body."""
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    found = parsed.get("id") if isinstance(parsed, dict) else None
-    return found if isinstance(found, str) and found else None

@@ -195,6 +195,16 @@ def response_id_in(event: bytes) -> str | None:
     return found if isinstance(found, str) and found else None
 
 
+def response_body_id(body: bytes) -> str | None:
+    """The `id` of a Responses API answer that is not streamed."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    found = parsed.get("id") if isinstance(parsed, dict) else None
+    return found if isinstance(found, str) and found else None
+
+
 class ResponseIdScan:
     """The head of a Responses stream, read until the response's id shows in it (or for
     RESPONSE_ID_SCAN bytes at most)."""

@@ -12,9 +12,9 @@ import pytest
 
 from bench.envoy import loopback_config, running_envoy
 from protocol.loopback_ports import distinct_ports
-from tests.support.fixtures import start_gateway, start_sim_worker
+from tests.support.fixtures import recording_backend, start_gateway, start_sim_worker
 
-__all__ = ["start_gateway", "start_sim_worker"]
+__all__ = ["recording_backend", "start_gateway", "start_sim_worker"]
 
 
 @pytest.fixture

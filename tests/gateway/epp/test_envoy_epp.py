@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.probes import wait_for
 from gateway.epp.health import PICKER_SERVICE
-from tests.support.gateways import SIM_MODEL, WORD_WORKER, SimWorker, foreign_entries
+from tests.support.gateways import SIM_MODEL, WORD_WORKER, RecordingBackend, SimWorker, foreign_entries
 from tests.support.servers import ServerThread
 
 SYSTEM = "You answer questions about the inventory of a hardware store, briefly and exactly. " * 12
@@ -36,7 +36,6 @@ def _chat(url: str, question: str, system: str = SYSTEM) -> tuple[str, int]:
     answer = raw.parse()
     assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
     return raw.headers["x-prefixgate-worker"], answer.usage.prompt_tokens_details.cached_tokens or 0
-
 
 
 def test_requests_sharing_a_prefix_land_on_the_replica_holding_it(
@@ -180,3 +179,30 @@ def test_no_ready_replica_is_a_503_from_the_picker_and_readiness_says_so(
     assert answer.status_code == 503
     assert answer.json()["error"]["code"] == "no_replica_available"
     assert answer.headers["retry-after"] == "1"
+
+
+def test_a_responses_answer_is_remembered_with_its_replica_and_continued_there(
+    recording_backend: Callable[..., tuple[RecordingBackend, str]], start_gateway, start_envoy
+) -> None:
+    backends = [recording_backend(f"b{i}", model="resp-m") for i in range(2)]
+    entries = [{"url": url, "id": backend.name, "kind": "openai"} for backend, url in backends]
+    picker = start_gateway(
+        [], picker=True, wait_for=2, replicas=entries, models={"resp-m": {"tokenizer": "default"}}
+    )
+    envoy = start_envoy(picker.grpc_port, [backend.server.port for backend, _ in backends])
+    for k in range(3):
+        created = httpx.post(
+            f"{envoy}/v1/responses", json={"model": "resp-m", "input": f"Question {k}?"}, timeout=10
+        )
+        assert created.status_code == 200, created.text
+        response_id = created.json()["id"]
+        owner = next(b.name for b, _ in backends if response_id in b.responses)
+        remembered = asyncio.run_coroutine_threadsafe(
+            picker.state.response_owners.owner(response_id), picker.server.loop
+        ).result(5)
+        assert remembered == owner
+        follow = {"model": "resp-m", "input": "And then?", "previous_response_id": response_id}
+        answer = httpx.post(f"{envoy}/v1/responses", json=follow, timeout=10)
+        assert answer.status_code == 200, (
+            f"the follow-up went to the replica without {response_id}: {answer.text}"
+        )

@@ -64,7 +64,6 @@ def _streamed(replies: list[pb.ProcessingResponse]) -> list[pb.StreamedBodyRespo
     return [r.request_body.response.body_mutation.streamed_response for r in replies]
 
 
-
 def test_the_headers_phase_names_the_endpoints_and_the_body_comes_back_whole(
     start_sim_worker: Callable[..., SimWorker], start_gateway
 ) -> None:
