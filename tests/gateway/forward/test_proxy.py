@@ -1,7 +1,7 @@
 """The forward path's parts (gateway.forward.proxy), one at a time: which replica continues a broken
-stream (_successor), the id read from a Responses body (_response_id), the head of a stream held back
-until it carries output (_until_output), what a relayed stream's chunks pass through (_Relay.watch), and
-the order in which `forward` tries replicas and what the client gets when they fail.
+stream (_successor), the id read from a Responses body (sse_events.response_body_id), the head of a
+stream held back until it carries output (_until_output), what a relayed stream's chunks pass through
+(_Relay.watch), and the order in which `forward` tries replicas and what the client gets when they fail.
 
 The end-to-end tests (tests/gateway, tests/faults) drive these through routed requests, where the
 policy picks the order; here the order is chosen by the test, so each branch of the retry loop is
@@ -27,9 +27,9 @@ from aiohttp.test_utils import make_mocked_request
 from gateway.fleet.replicas import Replica
 from gateway.fleet.response_owners import ResponseOwners
 from gateway.forward.outcome import TAIL_BYTES
-from gateway.forward.proxy import _Attempt, _Relay, _response_id, _successor, _until_output, forward
+from gateway.forward.proxy import _Attempt, _Relay, _successor, _until_output, forward
 from gateway.forward.routed import Routed
-from gateway.forward.sse_events import ResponseIdScan, UsageStrip
+from gateway.forward.sse_events import ResponseIdScan, UsageStrip, response_body_id
 from gateway.forward.upstream import UpstreamResponse
 from gateway.gateway_config import parse_config
 from gateway.gateway_state import GatewayState
@@ -122,7 +122,7 @@ def test_a_replica_gone_since_the_decision_is_skipped_and_none_is_left_when_all_
     assert _successor(state, decided(["a", "gone", "b"]), {"a", "b"}, "bundled") is None
 
 
-# -- _response_id -------------------------------------------------------------------------------------
+# -- response_body_id --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -146,7 +146,7 @@ def test_a_replica_gone_since_the_decision_is_skipped_and_none_is_left_when_all_
 def test_a_responses_body_names_its_id_and_anything_else_names_none(
     body: bytes, expected: str | None
 ) -> None:
-    assert _response_id(body) == expected
+    assert response_body_id(body) == expected
 
 
 # -- _until_output --------------------------------------------------------------------------------------
