@@ -112,7 +112,7 @@ class Exchange:
         self._dispatch(order[0])
         return [e for e in (endpoint_of(r.url) for r in order) if e is not None]
 
-    def answered(self, headers: Mapping[str, str], served: str | None) -> None:
+    async def answered(self, headers: Mapping[str, str], served: str | None) -> None:
         """The answer's head, from the replica at `served` (Envoy's upstream address; None: unknown, the
         first choice then)."""
         if self.routed is None:
@@ -140,7 +140,7 @@ class Exchange:
         self.tail = (self.tail + data)[-TAIL_BYTES:]
         await self._response_id(data, end)
         if end:
-            self.ended()
+            await self.ended()
 
     async def _response_id(self, data: bytes, end: bool) -> None:
         """Remember a Responses answer's id with its replica: from a stream's first events, or from a
@@ -168,7 +168,7 @@ class Exchange:
         except EventTooLarge:
             return True
 
-    def ended(self) -> None:
+    async def ended(self) -> None:
         """The answer is whole (its last body chunk, or its trailers)."""
         if self.routed is None or self.replica is None or self.accounted:
             return

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -99,16 +99,25 @@ class _Stream:
             replies = await self._decide(body_phase=True, last=False)
             return [*replies, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
         if phase == "response_headers":
-            self.exchange.answered(header_dict(message.response_headers.headers), upstream_address(message))
+            head = header_dict(message.response_headers.headers)
+            await self._learn(self.exchange.answered(head, upstream_address(message)))
             return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
         if phase == "response_body":
             chunk = message.response_body
-            await self.exchange.chunk(chunk.body, chunk.end_of_stream)
+            await self._learn(self.exchange.chunk(chunk.body, chunk.end_of_stream))
             return [_body_reply("response_body", chunk.body, chunk.end_of_stream)]
         if phase == "response_trailers":
-            self.exchange.ended()
+            await self._learn(self.exchange.ended())
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
+
+    @staticmethod
+    async def _learn(step: Awaitable[None]) -> None:
+        """A lesson from the answer; one that fails is logged, and the answer goes on to the client."""
+        try:
+            await step
+        except Exception:
+            log.exception("learning from an answer failed; the answer is relayed all the same")
 
     async def _decide(self, *, body_phase: bool, last: bool) -> list[pb.ProcessingResponse]:
         """The headers phase's answer (or an immediate response), then the body sent back."""
@@ -121,6 +130,10 @@ class _Stream:
         except ApiError as error:
             self.refused = True
             return [immediate(error)]
+        except Exception:
+            log.exception("the picker failed to choose for %s", self.headers.get(":path"))
+            self.refused = True
+            return [immediate(ApiError(500, "internal error in the gateway", code="internal_error"))]
         value = destination(endpoints)
         header = HeaderValueOption(header=HeaderValue(key=DESTINATION, raw_value=value.encode()))
         metadata = Struct()
