@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 from redis.asyncio import Redis
@@ -31,6 +32,9 @@ from gateway.sync.zmq_events import ZmqSource, ZmqSync
 from protocol.cancellation import check_cancelled
 from protocol.redis_client import connect
 from radix.capacity import capacity_prior
+
+if TYPE_CHECKING:
+    from gateway.fleet.kubernetes import KubernetesReplicas
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -54,6 +58,8 @@ class Gateway:
         self.redis_ok: bool | None = None
         # Registry replicas missing from the last registry reads, and since when (monotonic).
         self._unlisted: dict[str, float] = {}
+        # The replicas of the `kubernetes` section, watched from the cluster (None: not configured).
+        self.kubernetes: KubernetesReplicas | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -93,6 +99,7 @@ class Gateway:
         # Ready means ready: every model known now can be tokenized before the first request comes.
         await self.state.tokenizers.load(self.known_models())
         self._spawn(self._health_loop, self.state.config.health.interval_s)
+        self._watch_kubernetes()
         if self.redis is not None:
             self._spawn(self._registry_loop, self.state.config.redis.poll_interval_s)
         else:
@@ -102,6 +109,8 @@ class Gateway:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.kubernetes is not None:
+            await self.kubernetes.close()
         await self.sync.close()
         await self.zmq_sync.close()
         await self.state.predictions.close()
@@ -182,12 +191,18 @@ class Gateway:
         return replica
 
     async def add_entry(self, entry: ReplicaEntry, source: Source) -> Replica | None:
-        """Probe a replica and activate it; if it does not answer yet, keep probing it."""
+        """Probe a replica and activate it; if it does not answer yet, keep probing it. A pending entry
+        withdrawn while it was probed (a reload dropped it, its pod left) is not activated."""
+        was_pending = self.pending.get(entry.url)
         try:
-            found = await probe(self.session, entry, self.state.config.health.timeout_s)
+            found: Probe | ProbeFailed = await probe(self.session, entry, self.state.config.health.timeout_s)
         except ProbeFailed as error:
-            log.warning("replica %s is not answering yet: %s", entry.url, error)
-            self.pending[entry.url] = (entry, source)
+            found = error
+        if was_pending is not None and self.pending.get(entry.url) is not was_pending:
+            return None
+        if isinstance(found, ProbeFailed):
+            log.warning("replica %s is not answering yet: %s", entry.url, found)
+            self.pending.setdefault(entry.url, (entry, source))
             return None
         self.pending.pop(entry.url, None)
         existing = self.state.replicas.get(found.id) or self.state.replicas.by_url(found.url)
@@ -195,6 +210,28 @@ class Gateway:
             return existing
         _check_announced(entry, found)
         return self.activate(found, source)
+
+    def _watch_kubernetes(self, current: dict[str, ReplicaEntry] | None = None) -> None:
+        section = self.state.config.kubernetes
+        if section is None:
+            return
+        from gateway.fleet.kubernetes import KubernetesReplicas  # lightkube: an optional extra
+
+        rejections = self.state.metrics.rejections
+        self.kubernetes = KubernetesReplicas(section, self._join_pod, self._leave_pod, rejections, current)
+        self.kubernetes.start()
+
+    async def _join_pod(self, entry: ReplicaEntry) -> None:
+        self.pending[entry.url] = (entry, "kubernetes")
+        await self.add_entry(entry, "kubernetes")
+
+    async def _leave_pod(self, replica_id: str, entry: ReplicaEntry) -> None:
+        """A pod deleted, or no longer ready: it gets no new request from now on."""
+        if self.pending.get(entry.url, (None, None))[1] == "kubernetes":
+            del self.pending[entry.url]
+        replica = self.state.replicas.get(replica_id)
+        if replica is not None and replica.source == "kubernetes":
+            await self.deactivate(replica_id)
 
     async def _probe_pending(self) -> None:
         await asyncio.gather(*(self.add_entry(entry, src) for entry, src in list(self.pending.values())))
@@ -278,6 +315,7 @@ class Gateway:
         """Apply a new config without dropping requests in flight: they hold their replica objects,
         and removed replicas only stop receiving new requests."""
         tokenizers = tokenizers_of(config)
+        watched = self.state.config.kubernetes
         self.state.configure(config)
         await tokenizers.load(self.known_models())
         self.state.tokenizers.close()
@@ -293,6 +331,16 @@ class Gateway:
             if self.state.replicas.by_url(entry.url) is None:
                 self.pending[entry.url] = (entry, "config")
         await self._probe_pending()
+        if config.kubernetes != watched:
+            current = None
+            if self.kubernetes is not None:
+                await self.kubernetes.close()
+                current, self.kubernetes = self.kubernetes.current, None
+            if config.kubernetes is None:
+                for replica_id, entry in (current or {}).items():
+                    await self._leave_pod(replica_id, entry)
+            # The new watcher reconciles its predecessor's replicas against its first list.
+            self._watch_kubernetes(current)
         log.info(
             "configuration reloaded: %d replicas, policy %s", len(self.state.replicas), self.state.policy.name
         )

@@ -130,6 +130,41 @@ class ReplicaEntry(_Section):
         return url.rstrip("/")
 
 
+class KubernetesSection(_Section):
+    """Replicas discovered from a Kubernetes cluster (gateway.fleet.kubernetes): the ready pods an
+    InferencePool selects, or the ready endpoints of a Service. Pod annotations prefixgate.io/* override
+    kind, model, block size and KV events per pod."""
+
+    namespace: str = Field("default", min_length=1, max_length=63)
+    # Exactly one: an InferencePool (inference.networking.k8s.io/v1) or a Service (its EndpointSlices).
+    inference_pool: str | None = Field(None, min_length=1, max_length=253)
+    service: str | None = Field(None, min_length=1, max_length=253)
+    # The replicas' port, in place of the pool's targetPorts or the EndpointSlices' ports.
+    port: int | None = Field(None, ge=1, le=65535)
+    kind: Literal["openai", "bundled"] = "openai"
+    # The served model, for pods that do not name theirs (default: the first of their /v1/models).
+    model: str | None = Field(None, min_length=1)
+    # The API server's URL, with no credentials; default: in-cluster config (the service account), else
+    # the kubeconfig $KUBECONFIG names (or ~/.kube/config).
+    api_server: str | None = None
+    # How often the set is listed again in full and reconciled, besides following the watch: a safety
+    # net for a watch that is silently stuck.
+    resync_s: float = Field(300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KubernetesSection:
+        if (self.inference_pool is None) == (self.service is None):
+            raise ValueError("name exactly one of inference_pool or service")
+        return self
+
+    @field_validator("api_server")
+    @classmethod
+    def _server(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return url
+
+
 class ModelEntry(_Section):
     # "default": SmolLM2's tokenizer (docs/design.md §6); a HF folder path; or "none" (token-id prompts
     # only).
@@ -212,6 +247,7 @@ class GatewayConfig(_Section):
     auth: Auth = Auth()
     redis: RedisSection | None = None
     replicas: list[ReplicaEntry] = []
+    kubernetes: KubernetesSection | None = None
     routing: RoutingConfig = RoutingConfig()
     limits: Limits = Limits()
     health: Health = Health()

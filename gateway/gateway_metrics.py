@@ -193,8 +193,9 @@ class GatewayMetrics:
         )
         self.rejected_entries = Counter(
             "prefixgate_gateway_rejected_entries",
-            "Entries read from Redis or a replica's event socket that failed validation and were skipped, by "
-            "source: registry, load, kv_stream, kv_events, predictions, zmq (gateway/rejections.py)",
+            "Entries read from Redis, a replica's event socket or Kubernetes that failed validation and were "
+            "skipped, by source: registry, load, kv_stream, kv_events, predictions, zmq, kubernetes "
+            "(gateway/rejections.py)",
             ("source",),
             registry=registry,
         )

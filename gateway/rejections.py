@@ -18,8 +18,9 @@ log = logging.getLogger("prefixgate.gateway.rejected")
 
 # registry: a worker's registry entry; load: its load key; kv_stream: an entry of its KV stream in
 # Redis; kv_events: a batch or snapshot its /kv/events or /kv/snapshot answered; predictions: an entry of
-# the shared predictions stream; zmq: a KV event message over ZMQ.
-Source = Literal["registry", "load", "kv_stream", "kv_events", "predictions", "zmq"]
+# the shared predictions stream; zmq: a KV event message over ZMQ; kubernetes: a pod, EndpointSlice or
+# InferencePool read from the cluster.
+Source = Literal["registry", "load", "kv_stream", "kv_events", "predictions", "zmq", "kubernetes"]
 LOG_EVERY_S = 60.0
 
 

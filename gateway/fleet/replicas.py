@@ -25,7 +25,7 @@ from radix.reports import ReportedUnit
 SPEED_ALPHA = 0.02
 
 Kind = Literal["bundled", "openai"]
-Source = Literal["config", "registry", "admin"]
+Source = Literal["config", "registry", "admin", "kubernetes"]
 
 
 @dataclass(slots=True)

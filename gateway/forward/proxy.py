@@ -455,4 +455,3 @@ def _successor(state: GatewayState, routed: Routed, tried: set[str], kind: str) 
             continue
         return replica
     return None
-
