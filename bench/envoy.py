@@ -33,9 +33,9 @@ def envoy_binary() -> str:
 
 
 def loopback_config(
-    picker_port: int, replicas: Sequence[int], listen_port: int, admin_port: int, *, picker: bool = True
+    picker_port: int, replicas: Sequence[str], listen_port: int, admin_port: int, *, picker: bool = True
 ) -> dict[str, Any]:
-    """The deployed config on 127.0.0.1: the picker at `picker_port`, the replicas' ports as static
+    """The deployed config on loopback: the picker at `picker_port`, the replicas (`ip:port`) as static
     endpoints of the `replicas` cluster. Without `picker`: Envoy alone, the ext_proc filter left out
     and the replicas balanced round robin (the baseline the picker's cost is measured against)."""
     config = copy.deepcopy(yaml.safe_load(DEPLOYED_CONFIG.read_text()))
@@ -44,7 +44,9 @@ def loopback_config(
     listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen_port}
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     clusters["picker"]["type"] = "STATIC"
-    clusters["picker"]["load_assignment"]["endpoints"] = [{"lb_endpoints": [_endpoint(picker_port)]}]
+    clusters["picker"]["load_assignment"]["endpoints"] = [
+        {"lb_endpoints": [_endpoint(f"127.0.0.1:{picker_port}")]}
+    ]
     clusters["replicas"]["type"] = "STATIC"
     clusters["replicas"]["load_assignment"]["endpoints"] = [
         {"lb_endpoints": [_endpoint(p) for p in replicas]}
@@ -58,8 +60,9 @@ def loopback_config(
     return config
 
 
-def _endpoint(port: int) -> dict[str, Any]:
-    return {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}
+def _endpoint(address: str) -> dict[str, Any]:
+    host, _, port = address.rpartition(":")
+    return {"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}}
 
 
 @contextlib.contextmanager

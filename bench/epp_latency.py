@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         spec = SimWorkers(1, str(instant_profile(workdir)))
         worker = fleet.add(start_worker(workdir, spec, "w0", "--sim-tokenizer", "words"))
         wait_healthy([worker])
-        worker_port = int(worker.url.rsplit(":", 1)[1])
+        endpoint = worker.url.removeprefix("http://")
         grpc_port, alone_listen, alone_admin, picked_listen, picked_admin = distinct_ports(5)
         config = _gateway(spec.model, worker.url)
         flags = {"epp": ("--grpc-host", "127.0.0.1", "--grpc-port", str(grpc_port)), "serve": ()}
@@ -65,8 +65,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for path, command in GATEWAYS.items()
         }
         wait_healthy(list(gateways.values()))
-        alone = loopback_config(grpc_port, [worker_port], alone_listen, alone_admin, picker=False)
-        picked = loopback_config(grpc_port, [worker_port], picked_listen, picked_admin)
+        alone = loopback_config(grpc_port, [endpoint], alone_listen, alone_admin, picker=False)
+        picked = loopback_config(grpc_port, [endpoint], picked_listen, picked_admin)
         with (
             running_envoy(alone, workdir, "envoy-alone") as alone_url,
             running_envoy(picked, workdir, "envoy-picker") as picked_url,

@@ -33,11 +33,11 @@ from workers.worker_cli import build_worker, extra_contexts
 def start_sim_worker() -> Iterator[Callable[..., SimWorker]]:
     servers: list[ServerThread] = []
 
-    def start(worker_id: str, *extra: str, port: int | None = None) -> SimWorker:
+    def start(worker_id: str, *extra: str, port: int | None = None, host: str = "127.0.0.1") -> SimWorker:
         port = port or free_port()
         args = build_parser().parse_args(sim_worker_args(worker_id, port, *extra))
         worker = build_worker(args)
-        server = ServerThread(create_worker_app(worker, contexts=extra_contexts(args)), port=port)
+        server = ServerThread(create_worker_app(worker, contexts=extra_contexts(args)), port=port, host=host)
         servers.append(server)
         return SimWorker(server.start(), worker_id, worker, server, port)
 

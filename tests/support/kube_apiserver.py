@@ -212,6 +212,25 @@ class KubeApiServer:
             self._streams.discard(transport)
 
 
+def pod(name: str, ip: str, ready: bool = True, app: str = "one", **annotations: str) -> dict[str, Any]:
+    """A running pod at `ip`, labelled `app`, ready or not."""
+    conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+    meta = {"name": name, "labels": {"app": app}, "annotations": annotations}
+    return {
+        "metadata": meta,
+        "spec": {"containers": []},
+        "status": {"phase": "Running", "podIP": ip, "conditions": conditions},
+    }
+
+
+def pool(name: str, app: str, port: int) -> dict[str, Any]:
+    """An InferencePool selecting the pods labelled `app`, served on `port`."""
+    return {
+        "metadata": {"name": name},
+        "spec": {"selector": {"matchLabels": {"app": app}}, "targetPorts": [{"number": port}]},
+    }
+
+
 def _event_type(event: _Event, match: _Selector) -> str | None:
     """What a watch through `match` sees of a change: an object moving in or out of it is ADDED or DELETED."""
     was = event.old is not None and match(event.old)

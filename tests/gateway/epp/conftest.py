@@ -19,13 +19,14 @@ __all__ = ["recording_backend", "start_gateway", "start_sim_worker"]
 
 @pytest.fixture
 def start_envoy(tmp_path: Path) -> Iterator[Callable[..., str]]:
-    """Envoy on the deployed config, in front of `replicas` (ports) with the picker at `picker_port`;
-    returns its URL."""
+    """Envoy on the deployed config, in front of `replicas` (ports on 127.0.0.1, or `ip:port`) with the
+    picker at `picker_port`; returns its URL."""
     stack: list[Any] = []
 
-    def start(picker_port: int, replicas: list[int], picker: bool = True) -> str:
+    def start(picker_port: int, replicas: list[int | str], picker: bool = True) -> str:
         listen, admin = distinct_ports(2)
-        config = loopback_config(picker_port, replicas, listen, admin, picker=picker)
+        endpoints = [r if isinstance(r, str) else f"127.0.0.1:{r}" for r in replicas]
+        config = loopback_config(picker_port, endpoints, listen, admin, picker=picker)
         context = running_envoy(config, tmp_path, name=f"envoy-{len(stack)}")
         url = context.__enter__()
         stack.append(context)

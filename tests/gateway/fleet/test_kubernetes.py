@@ -14,7 +14,7 @@ from aiohttp import web
 
 from bench.probes import wait_for
 from tests.support.gateways import SIM_MODEL, RunningGateway
-from tests.support.kube_apiserver import KubeApiServer
+from tests.support.kube_apiserver import KubeApiServer, pod, pool
 from tests.support.servers import ServerThread, free_port
 
 pytestmark = pytest.mark.fleet
@@ -81,30 +81,13 @@ def backends() -> Iterator[PodBackends]:
     running.stop()
 
 
-def pod(name: str, ip: str, ready: bool = True, app: str = "one", **annotations: str) -> dict[str, Any]:
-    conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
-    meta = {"name": name, "labels": {"app": app}, "annotations": annotations}
-    return {
-        "metadata": meta,
-        "spec": {"containers": []},
-        "status": {"phase": "Running", "podIP": ip, "conditions": conditions},
-    }
-
-
-def pool(app: str, port: int) -> dict[str, Any]:
-    return {
-        "metadata": {"name": POOL},
-        "spec": {"selector": {"matchLabels": {"app": app}}, "targetPorts": [{"number": port}]},
-    }
-
-
 @pytest.fixture
 def pool_gateway(
     kube: KubeApiServer, backends: PodBackends, start_gateway: Callable[..., RunningGateway]
 ) -> Callable[[int], RunningGateway]:
     def start(routable: int) -> RunningGateway:
         """A gateway following pool `llm`, once it routes to `routable` pods."""
-        kube.apply("inferencepools", pool("one", backends.port))
+        kube.apply("inferencepools", pool(POOL, "one", backends.port))
         section = {"api_server": kube.url, "inference_pool": POOL, "model": SIM_MODEL}
         return start_gateway([], wait_for=routable, kubernetes=section)
 
@@ -217,7 +200,7 @@ def test_a_pool_whose_selector_changes_moves_the_replica_set(
     kube.apply(PODS, pod("b", "127.0.0.3", app="two"))
     gateway = pool_gateway(1)
     wait_replicas(gateway, {"a"})
-    kube.apply("inferencepools", pool("two", backends.port))
+    kube.apply("inferencepools", pool(POOL, "two", backends.port))
     wait_replicas(gateway, {"b"})
     assert route(gateway) == "b"
     kube.delete("inferencepools", POOL)
