@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TRACE ?= ../shared/traces/mooncake/conversation_trace.jsonl
 OUT ?= out
 
-.PHONY: demo test test-fast lint bench-radix bench-fleet bench-pd bench-ep bench-vllm vllm-env redis-server prometheus-server clean
+.PHONY: demo test test-fast lint bench-radix bench-fleet bench-pd bench-ep bench-vllm vllm-env redis-server prometheus-server docker-smoke clean
 
 # The torch pin comes first: it is the CPU build on this machine's disk, and installing it before
 # the project keeps any dependency from pulling a multi-GB CUDA build.
@@ -85,6 +85,17 @@ bench-radix: $(VENV)/.installed
 # Fault scenarios on real processes (killed and stuck replicas, Redis down, overload, disconnects).
 chaos: $(VENV)/.installed redis-server
 	$(VENV)/bin/prefixgate bench chaos --json $(OUT)/chaos.json
+
+# The images built for real (FROM a debootstrapped base, no registry), a fleet of them on loopback and
+# one conversation through it (docker/smoke/run.py). Needs root: it installs docker.io, debootstrap and
+# docker-compose if missing and starts dockerd (log: /tmp/dockerd.log) if none runs.
+docker-smoke: $(VENV)/.installed
+	@command -v dockerd >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1 && \
+	  { docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null 2>&1; } || { \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap docker-compose >/dev/null; }
+	@docker info >/dev/null 2>&1 || { nohup dockerd >/tmp/dockerd.log 2>&1 & \
+	  for i in $$(seq 30); do docker info >/dev/null 2>&1 && break; sleep 1; done; }
+	$(PY) docker/smoke/run.py
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache .ruff_cache .hypothesis

@@ -174,12 +174,15 @@ def test_dockerfile_copy_sources_exist_and_reach_the_build(name: str) -> None:
         assert not ignored(source, patterns), f"{name}: COPY {source} is excluded by {ignore.name}"
     # What the image runs must reach it: the gateway and what it imports; a worker image, everything.
     pyproject = (ROOT / "pyproject.toml").read_text()
-    needed = ["radix", "policies", "protocol", "gateway"]
+    needed = ["radix", "policies", "protocol", "gateway", "prefixgate"]
     if name != "Dockerfile.gateway":
         needed += ["workers", "bench"]
     for package in needed:
         assert f'"{package}*"' in pyproject and package in sources, f"{name} misses {package}/"
     assert ignored(".venv/bin/python", patterns) and ignored("tests/conftest.py", patterns)
+    # The wheelhouse (docker/wheelhouse.sh) reaches the build as a bind mount, not a layer.
+    for mount in re.findall(r"--mount=type=bind,source=([^,\s]+)", dockerfile.read_text()):
+        assert not ignored(f"{mount}/torch.whl", patterns), f"{name}: the mount of {mount} is excluded"
 
 
 def test_the_mounted_gateway_config_loads_and_discovers_workers_through_redis(
@@ -259,13 +262,16 @@ def test_every_dashboard_panel_queries_the_provisioned_datasource() -> None:
 def test_the_gateway_image_installs_no_torch_and_tokenizes_from_the_gguf(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Dockerfile.gateway installs the gateway alone (with uvloop, the `fast` extra, and no other) and
+    """Dockerfile.gateway installs the gateway alone (with uvloop, the endpoint picker's gRPC and the
+    Kubernetes client: the `fast`, `epp` and `kubernetes` extras, and no other) and
     reads the default tokenizer from the GGUF into its cache at build time: the same ids as the worker's
     converted folder, with no weights at all."""
-    dockerfile = (DOCKER / "Dockerfile.gateway").read_text()
+    dockerfile = (DOCKER / "Dockerfile.gateway").read_text().replace("\\\n", " ")
     installs = [line for line in dockerfile.splitlines() if line.startswith("RUN") and "pip install" in line]
     extras = {extra for line in installs for extra in re.findall(r"\[([^\]]*)\]", line)}
-    assert installs and not any("torch" in line for line in installs) and extras <= {"fast"}, installs
+    extras = {name for extra in extras for name in extra.split(",")}
+    assert installs and not any("torch" in line for line in installs), installs
+    assert extras <= {"fast", "epp", "kubernetes"}, installs
     assert "default_tokenizer()" in dockerfile
     monkeypatch.setenv("PREFIXGATE_CACHE", str(tmp_path / "cache"))
     tokenizer = load_tokenizer_spec("default")
