@@ -37,6 +37,32 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def child_pids(pid: int) -> set[int]:
+    """The processes whose parent is `pid` now (a `serve --workers N` gateway's processes)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # it exited while we looked
+            continue
+        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+            found.add(int(entry))
+    return found
+
+
+def group_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its children now (those that exited are not counted)."""
+    total = cpu_s(pid)
+    for child in child_pids(pid):
+        try:
+            total += cpu_s(child)
+        except OSError:
+            continue
+    return total
+
+
 def proc_stat(pid: int) -> ProcStat:
     """CPU seconds and memory (now and at its peak, VmHWM) of a process."""
     return ProcStat(cpu_s(pid), rss_bytes(pid), _status_bytes(pid, "VmHWM"))

@@ -16,6 +16,7 @@ gives the better of a target's two phases.
 
 On a small machine the load generator, the router and the replica share the cores: the req/s is the
 machine's with that router in the path, and the router's CPU per request (/proc) is read beside it.
+`--gateway-workers 1,4` adds prefixgate as `serve --workers 4` (its processes' CPU summed).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import os
 import random
 import sys
 import tempfile
@@ -38,7 +40,7 @@ from tqdm import tqdm
 from bench.conversation import sentence
 from bench.local_fleet import Child, Fleet, gateway_config, spawn, start_gateway, wait_healthy
 from bench.peers import peer_router
-from bench.procfs import cpu_s
+from bench.procfs import group_cpu_s
 from bench.report import bar_panels, format_table, write_json
 from gateway.forward.upstream import UpstreamError
 from gateway.forward.upstream_client import UpstreamClient
@@ -47,7 +49,7 @@ from protocol.serving import new_event_loop
 
 MODEL = "canned"
 PEER = "sglang cache_aware"
-TARGETS = ("direct", "prefixgate", PEER)
+ONE = "prefixgate"
 # The issue's bar: prefixgate's req/s at least this share of sglang-router's, on 200-word chats.
 BAR_SHARE = 0.6
 HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer none"}
@@ -114,15 +116,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--warm-up", type=float, default=1.0, help="seconds sent to a target before each phase"
     )
+    parser.add_argument(
+        "--gateway-workers",
+        type=lambda text: sorted({int(w) for w in text.split(",")}),
+        default=[1],
+        help="prefixgate's process counts (serve --workers N), one target each, comma-separated",
+    )
     parser.add_argument("--no-peer", action="store_true", help="leave sglang-router out")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here, and a PNG next to it")
 
 
+def gateway_name(workers: int) -> str:
+    return ONE if workers == 1 else f"{ONE} x{workers}"
+
+
 @contextlib.contextmanager
-def targets(workdir: Path, peer: bool) -> Iterator[tuple[dict[str, str], Child, dict[str, str]]]:
-    """The replica and the routers in front of it, ready: (URLs by target, the prefixgate gateway, why
-    a target is missing)."""
+def targets(
+    workdir: Path, peer: bool, gateway_workers: list[int]
+) -> Iterator[tuple[dict[str, str], dict[str, Child], dict[str, str]]]:
+    """The replica and the routers in front of it, ready: (URLs by target, the prefixgate gateways by
+    target, why a target is missing)."""
     with Fleet(workdir) as fleet, contextlib.ExitStack() as peers:
         port = free_port()
         command = [sys.executable, "-m", "bench.canned_replica", "--port", str(port), "--model", MODEL]
@@ -131,9 +145,12 @@ def targets(workdir: Path, peer: bool) -> Iterator[tuple[dict[str, str], Child, 
         config = gateway_config(MODEL, [], policy="prefix_aware")
         config["models"] = {MODEL: {"tokenizer": "default"}}
         config["replicas"] = [{"url": replica.url, "id": "canned", "kind": "openai", "model": MODEL}]
-        gateway = fleet.add(start_gateway(workdir, "gateway", config))
-        wait_healthy([gateway])
-        urls = {"direct": replica.url, "prefixgate": gateway.url}
+        gateways = {
+            gateway_name(n): fleet.add(start_gateway(workdir, f"gateway-{n}", config, "--workers", str(n)))
+            for n in gateway_workers
+        }
+        wait_healthy(list(gateways.values()))
+        urls = {"direct": replica.url, **{name: g.url for name, g in gateways.items()}}
         missing: dict[str, str] = {}
         if peer:
             try:
@@ -142,44 +159,55 @@ def targets(workdir: Path, peer: bool) -> Iterator[tuple[dict[str, str], Child, 
                 missing[PEER] = str(error).splitlines()[0]
         else:
             missing[PEER] = "left out (--no-peer)"
-        yield urls, gateway, missing
+        yield urls, gateways, missing
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.clients < 1 or args.duration <= 0 or args.warm_up < 0 or min(args.words) < 1:
-        raise SystemExit("prefixgate bench throughput: --clients, --duration and --words must be positive")
+    if min(args.clients, *args.words, *args.gateway_workers) < 1 or args.duration <= 0 or args.warm_up < 0:
+        raise SystemExit(
+            "prefixgate bench throughput: --clients, --duration, --words and --gateway-workers must be "
+            "positive"
+        )
     rng = random.Random(args.seed)
     results: dict[int, dict[str, Any]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="prefixgate-throughput-") as tmp,
-        targets(Path(tmp), not args.no_peer) as (urls, gateway, missing),
+        targets(Path(tmp), not args.no_peer, args.gateway_workers) as (urls, gateways, missing),
         asyncio.Runner(loop_factory=new_event_loop) as runner,
     ):
-        order = [t for t in TARGETS if t in urls]
+        order = list(urls)
         phases = order + order[::-1]
         for words in args.words:
             bodies = chat_bodies(rng, words)
             rates: dict[str, list[float]] = {t: [] for t in order}
-            cpu: dict[str, list[float]] = {t: [] for t in order}
+            cpu: dict[str, list[float]] = {t: [] for t in gateways}
             failures = dict.fromkeys(order, 0)
             for target in tqdm(phases, desc=f"{words}-word chats"):
                 runner.run(chat_loop(urls[target], bodies, args.clients, args.warm_up))
-                before = cpu_s(gateway.pid)
+                gateway = gateways.get(target)
+                before = group_cpu_s(gateway.pid) if gateway is not None else 0.0
                 start = time.perf_counter()
                 done, failed = runner.run(chat_loop(urls[target], bodies, args.clients, args.duration))
                 elapsed = time.perf_counter() - start
                 rates[target].append(done / elapsed)
-                if target == "prefixgate":
-                    cpu[target].append((cpu_s(gateway.pid) - before) / max(done, 1))
+                if gateway is not None:
+                    cpu[target].append((group_cpu_s(gateway.pid) - before) / max(done, 1))
                 failures[target] += failed
             results[words] = {
                 "req_s": {t: max(r) for t, r in rates.items()},
                 "phases_req_s": rates,
                 "failed": failures,
-                "prefixgate_cpu_s_per_request": min(cpu["prefixgate"]) if cpu["prefixgate"] else None,
+                "cpu_s_per_request": {t: min(c) for t, c in cpu.items() if c},
             }
     payload = {
-        "config": {"clients": args.clients, "duration_s": args.duration, "words": args.words},
+        "config": {
+            "clients": args.clients,
+            "duration_s": args.duration,
+            "words": args.words,
+            "gateway_workers": args.gateway_workers,
+            "cpus": os.cpu_count(),
+        },
+        "targets": list(urls),
         "missing": missing,
         "results": results,
     }
@@ -196,27 +224,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _tables(p: dict[str, Any]) -> str:
     rows = []
+    shown = [t for t in p["targets"] if t != PEER] + [PEER]
+    gateways = [t for t in p["targets"] if t.startswith(ONE)]
     for words, r in p["results"].items():
         rates = r["req_s"]
         peer = rates.get(PEER)
         rows.append(
             [
                 f"{words} words",
-                *(rates.get(t, "-") for t in TARGETS),
-                rates["prefixgate"] / peer if peer else "-",
-                (r["prefixgate_cpu_s_per_request"] or 0) * 1e3,
+                *(rates.get(t, "-") for t in shown),
+                *((rates[t] / peer if peer else "-") for t in gateways),
+                *(r["cpu_s_per_request"].get(t, 0) * 1e3 for t in gateways),
                 sum(r["failed"].values()),
             ]
         )
     header = [
         "chats",
-        *(f"{t} req/s" for t in TARGETS),
-        "prefixgate / peer",
-        "prefixgate CPU ms/req",
+        *(f"{t} req/s" for t in shown),
+        *(f"{t} / peer" for t in gateways),
+        *(f"{t} CPU ms/req" for t in gateways),
         "failed",
     ]
     title = (
-        f"throughput, {p['config']['clients']} clients, better of two {p['config']['duration_s']:g} s phases"
+        f"throughput, {p['config']['clients']} clients, better of two "
+        f"{p['config']['duration_s']:g} s phases, {p['config']['cpus']} CPUs"
     )
     lines = [format_table(title, header, rows)]
     lines += [f"{target}: {why}" for target, why in p["missing"].items()]

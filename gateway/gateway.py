@@ -35,6 +35,7 @@ from radix.capacity import capacity_prior
 
 if TYPE_CHECKING:
     from gateway.fleet.kubernetes import KubernetesReplicas
+    from gateway.sync.siblings import Siblings
 
 log = logging.getLogger("prefixgate.gateway")
 
@@ -44,8 +45,10 @@ REDIS_TIMEOUT_S = 5.0
 class Gateway:
     """The lifecycle around a GatewayState: what requests read (`state`), and what keeps it true."""
 
-    def __init__(self, config: GatewayConfig, gateway_id: str) -> None:
+    def __init__(self, config: GatewayConfig, gateway_id: str, siblings: Siblings | None = None) -> None:
         self.state = GatewayState(config, gateway_id)
+        # The other processes of a `serve --workers N` (None: this process is the gateway).
+        self.siblings = siblings
         # Static and admin-added entries not yet answering (probed every health interval).
         self.pending: dict[str, tuple[ReplicaEntry, Source]] = {}
         # Health checks, load reads and the KV followers' own HTTP; requests go by `state.upstream`.
@@ -93,6 +96,8 @@ class Gateway:
         self.state.response_owners = ResponseOwners(
             ttl_s=responses.ttl_s, max_entries=responses.max_entries, redis=self.redis
         )
+        if self.siblings is not None:
+            await self.siblings.start(self)
         for entry in self.state.config.replicas:
             self.pending[entry.url] = (entry, "config")
         await self._probe_pending()
@@ -106,6 +111,8 @@ class Gateway:
             self._spawn(self._load_loop, self.state.config.health.load_interval_s)
 
     async def close(self) -> None:
+        if self.siblings is not None:
+            await self.siblings.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -6,6 +6,8 @@ capacity bound in the index (LRU) stand in for evictions. With several gateways 
 its own decisions, so each one also publishes them to the Redis stream `prefixgate:predictions`
 (protocol.redis_keys) and inserts the others' with the same absolute expiry: all of them then predict
 the same cache. Expiry times are Unix seconds, comparable across gateways as far as their clocks agree.
+The processes of one `serve --workers N` without Redis share the same entries through
+gateway.sync.siblings (`share`) instead.
 
 Publishing never delays a request: `record` only queues, and a background task writes in batches.
 Predictions are worth little once old, so when Redis is down a full queue drops new ones, and those
@@ -129,6 +131,8 @@ class Predictions:
         # (expiry, stream entry): predictions, and learned capacities.
         self._queue: asyncio.Queue[tuple[float, dict[str, str]]] = asyncio.Queue(QUEUE_SIZE)
         self._tasks: list[asyncio.Task[None]] = []
+        # Without Redis, where this process's entries go to its siblings (set by gateway.sync.siblings).
+        self.share: Callable[[dict[str, str]], None] | None = None
 
     def start(self) -> None:
         """Start the expiry sweep and, with Redis, the publisher and the follower (on the running loop)."""
@@ -153,7 +157,7 @@ class Predictions:
         expires_at = (self.clock() if now is None else now) + self.ttl_s
         self.index.insert(replica_id, hashes, expires_at=expires_at)
         self.stats.recorded += 1
-        if self.redis is not None:  # a long prompt's hashes are costly to encode for no one
+        if self.redis is not None or self.share is not None:  # costly to encode for no one
             encoded = msgspec.json.encode(hashes).decode()
             self._publish_later(
                 expires_at, {"replica": replica_id, "expires_at": repr(expires_at), "hashes": encoded}
@@ -175,8 +179,14 @@ class Predictions:
         if after is not None and after != before:
             self._publish_later(self.clock() + self.ttl_s, {"replica": replica_id, "capacity": str(after)})
 
+    def take(self, fields: Mapping[str, str]) -> None:
+        """A sibling process's entry, checked as one from Redis."""
+        self._take("sibling", fields, set(self.index.replicas), self.clock())
+
     def _publish_later(self, expires_at: float, fields: dict[str, str]) -> None:
         if self.redis is None:
+            if self.share is not None:
+                self.share({"gateway": self.gateway_id, **fields})
             return
         try:
             self._queue.put_nowait((expires_at, {"gateway": self.gateway_id, **fields}))

@@ -5,12 +5,16 @@ second; between reports the gateway adds what it has itself placed there since, 
 arrivals does not all pile onto the replica that looked idle at the last report. Requests still
 running are in the next report, so only those dispatched after the report's time are added.
 
+With `serve --workers N` the gateway is N processes routing as one: each tells the others what it
+placed (gateway.sync.siblings), and their requests count in a replica's load beside its own.
+
 Pure state, no I/O: discovery (gateway.fleet.discovery) and the request path update it.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
@@ -81,6 +85,8 @@ class Replica:
     down_since: float | None = None
     report: LoadReport = field(default_factory=LoadReport)
     inflight: dict[int, InFlight] = field(default_factory=dict)
+    # The sibling processes' requests in flight here, by (sibling, its handle).
+    sibling_inflight: dict[tuple[int, int], InFlight] = field(default_factory=dict)
     # Prefill/decode disaggregation (policies.pd): its role, how a foreign one moves KV to its pair
     # (None: prefixgate's own), and an SGLang prefill server's bootstrap port.
     role: Role = "mixed"
@@ -105,7 +111,7 @@ class Replica:
     def load(self) -> tuple[int, int, int]:
         """(running, waiting, queued prefill tokens): the last report plus the gateway's own since."""
         running, waiting, queued = self.report.running, self.report.waiting, self.report.queued_prefill_tokens
-        for req in self.inflight.values():
+        for req in itertools.chain(self.inflight.values(), self.sibling_inflight.values()):
             if req.dispatched <= self.report.at:
                 continue
             if req.started:
@@ -120,7 +126,11 @@ class Replica:
         not reported, as for a foreign backend)."""
         if self.report.kv_blocks_total <= 0:
             return None
-        placed = sum(r.kv_blocks for r in self.inflight.values() if r.dispatched > self.report.at)
+        placed = sum(
+            r.kv_blocks
+            for r in itertools.chain(self.inflight.values(), self.sibling_inflight.values())
+            if r.dispatched > self.report.at
+        )
         return max(self.report.kv_blocks_total - self.report.kv_blocks_used - placed, 0)
 
     def view(self, matched_blocks: int, cached_blocks: int, prefill_rate: float) -> ReplicaView:
@@ -166,6 +176,7 @@ class Replica:
             "healthy": self.healthy,
             "draining": self.draining,
             "inflight": len(self.inflight),
+            "sibling_inflight": len(self.sibling_inflight),
             "load": {"running": running, "waiting": waiting, "queued_prefill_tokens": queued},
             "prefill_rate": round(self.prefill_rate, 1),
         }
@@ -176,12 +187,19 @@ def default_replica_id(url: str) -> str:
     return parts.netloc or url
 
 
+# What a process tells its siblings of its own accounting: ("dispatched", replica id, handle, time,
+# prefill tokens, KV blocks), ("started", replica id, handle), ("finished", replica id, handle).
+Announce = Callable[[tuple[object, ...]], None]
+
+
 class ReplicaSet:
     """Replicas by id, grouped by model at lookup time (groups are small; no second map to keep)."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, Replica] = {}
         self._request_ids = itertools.count(1)
+        # Set by gateway.sync.siblings when this process has siblings.
+        self.announce: Announce | None = None
 
     def __contains__(self, replica_id: str) -> bool:
         return replica_id in self._by_id
@@ -231,6 +249,8 @@ class ReplicaSet:
         replica.inflight[handle] = InFlight(
             now, prefill_tokens, queued, recorded_tick=recorded_tick, kv_blocks=kv_blocks
         )
+        if self.announce is not None:
+            self.announce(("dispatched", replica.id, handle, now, prefill_tokens, kv_blocks))
         return handle
 
     def started(self, replica: Replica, handle: int, ttft_s: float, *, alpha: float, min_tokens: int) -> None:
@@ -239,6 +259,8 @@ class ReplicaSet:
         if req is None or req.started:
             return
         req.started = True
+        if self.announce is not None:
+            self.announce(("started", replica.id, handle))
         work = req.prefill_tokens + req.queued_ahead
         if req.prefill_tokens >= min_tokens and ttft_s > 0:
             replica.prefill_rate += alpha * (work / ttft_s - replica.prefill_rate)
@@ -246,6 +268,33 @@ class ReplicaSet:
             replica.speed_work += SPEED_ALPHA * (work - replica.speed_work)
             replica.speed_seconds += SPEED_ALPHA * (ttft_s - replica.speed_seconds)
 
-    @staticmethod
-    def finished(replica: Replica, handle: int) -> None:
-        replica.inflight.pop(handle, None)
+    def finished(self, replica: Replica, handle: int) -> None:
+        if replica.inflight.pop(handle, None) is not None and self.announce is not None:
+            self.announce(("finished", replica.id, handle))
+
+    # -- the siblings' accounting (gateway.sync.siblings) --------------------------------------
+
+    def sibling_dispatched(
+        self, sibling: int, replica_id: str, handle: int, at: float, prefill_tokens: int, kv_blocks: int
+    ) -> None:
+        """A sibling placed a request here at `at` (monotonic: one clock for every process of a host)."""
+        replica = self._by_id.get(replica_id)
+        if replica is not None:
+            replica.sibling_inflight[sibling, handle] = InFlight(at, prefill_tokens, 0, kv_blocks=kv_blocks)
+
+    def sibling_started(self, sibling: int, replica_id: str, handle: int) -> None:
+        replica = self._by_id.get(replica_id)
+        req = replica.sibling_inflight.get((sibling, handle)) if replica is not None else None
+        if req is not None:
+            req.started = True
+
+    def sibling_finished(self, sibling: int, replica_id: str, handle: int) -> None:
+        replica = self._by_id.get(replica_id)
+        if replica is not None:
+            replica.sibling_inflight.pop((sibling, handle), None)
+
+    def sibling_gone(self, sibling: int) -> None:
+        """A sibling exited: its requests ended with it."""
+        for replica in self._by_id.values():
+            for key in [k for k in replica.sibling_inflight if k[0] == sibling]:
+                del replica.sibling_inflight[key]

@@ -4,7 +4,8 @@ A stored response lives on the replica that produced it: a request that continue
 DELETEs or cancels it) can only be served there, whatever its prefix or the replica's load says. So
 the gateway remembers the owner of every response it relays, in a bounded local map and, when Redis
 is configured, under `prefixgate:response:{id}` (protocol.redis_keys) with the same expiry, so that a
-client may continue a conversation through any gateway of the fleet.
+client may continue a conversation through any gateway of the fleet. Without Redis, the processes of
+one `serve --workers N` tell each other instead (`share`, gateway.sync.siblings).
 
 The owner is written to Redis before the client has the response (inline, under a short timeout):
 a client that sends its follow-up to another gateway the moment it reads the answer must find it
@@ -47,13 +48,18 @@ class ResponseOwners:
         # response id -> (replica id, expiry in Unix seconds), least recently used first.
         self._owners: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self.redis_errors = 0
+        # Without Redis: tells the sibling processes (response id, replica id, expiry).
+        self.share: Callable[[str, str, float], None] | None = None
 
     def __len__(self) -> int:
         return len(self._owners)
 
     async def remember(self, response_id: str, replica_id: str) -> None:
-        self._keep(response_id, replica_id, self.clock() + self.ttl_s)
+        expires_at = self.clock() + self.ttl_s
+        self.keep(response_id, replica_id, expires_at)
         if self.redis is None:
+            if self.share is not None:
+                self.share(response_id, replica_id, expires_at)
             return
         try:
             async with asyncio.timeout(REDIS_WAIT_S):
@@ -83,10 +89,10 @@ class ResponseOwners:
         if replica is None:
             return None
         replica = replica.decode() if isinstance(replica, bytes) else str(replica)
-        self._keep(response_id, replica, now + (ttl if isinstance(ttl, int) and ttl > 0 else self.ttl_s))
+        self.keep(response_id, replica, now + (ttl if isinstance(ttl, int) and ttl > 0 else self.ttl_s))
         return replica
 
-    def _keep(self, response_id: str, replica_id: str, expires_at: float) -> None:
+    def keep(self, response_id: str, replica_id: str, expires_at: float) -> None:
         self._owners[response_id] = (replica_id, expires_at)
         self._owners.move_to_end(response_id)
         while len(self._owners) > self.max_entries:

@@ -39,7 +39,7 @@ async def list_replicas(request: web.Request) -> web.Response:
             row["kv_sync"] = sync[r.id].to_json()
         rows.append(row)
     pending = [{"url": url, "source": source} for url, (_, source) in gw.pending.items()]
-    return web.json_response({"replicas": rows, "pending": pending})
+    return web.json_response({"gateway_id": gw.state.gateway_id, "replicas": rows, "pending": pending})
 
 
 async def add_replica(request: web.Request) -> web.Response:
@@ -50,14 +50,19 @@ async def add_replica(request: web.Request) -> web.Response:
     except ValueError as error:
         raise ApiError(400, f"invalid replica: {error}", code="invalid_value") from None
     replica = await gw.add_entry(entry, "admin")
+    if gw.siblings is not None:
+        gw.siblings.send(("admin", gw.siblings.index, "add", body))
     if replica is None:
         return web.json_response({"status": "pending", "url": entry.url}, status=202)
     return web.json_response({"status": "active", "replica": replica.to_json()}, status=201)
 
 
 async def drain_replica(request: web.Request) -> web.Response:
-    replica = _replica_or_404(request.app[STATE], request.match_info["id"])
+    gw = request.app[GATEWAY]
+    replica = _replica_or_404(gw.state, request.match_info["id"])
     replica.draining = request.match_info["action"] == "drain"
+    if gw.siblings is not None:
+        gw.siblings.send(("admin", gw.siblings.index, "drain", replica.id, replica.draining))
     return web.json_response(replica.to_json())
 
 
@@ -65,6 +70,8 @@ async def remove_replica(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     replica = _replica_or_404(gw.state, request.match_info["id"])
     await gw.deactivate(replica.id)
+    if gw.siblings is not None:
+        gw.siblings.send(("admin", gw.siblings.index, "remove", replica.id))
     return web.json_response({"status": "removed", "id": replica.id, "inflight": len(replica.inflight)})
 
 
@@ -92,6 +99,7 @@ async def debug_route(request: web.Request) -> web.Response:
     decision = decide(state.policy, state.index, replicas, tokens, session, state.pd, paired, state.chains)
     return web.json_response(
         {
+            "gateway_id": state.gateway_id,
             "model": model,
             "policy": decision.policy,
             "prompt_tokens": decision.prompt_tokens,

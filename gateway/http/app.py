@@ -29,6 +29,7 @@ from gateway.http.handlers import PROXIED_METHODS, health, live, metrics, models
 from gateway.http.keys import CONFIG_PATH, GATEWAY, STATE
 from gateway.http.middleware import errors
 from gateway.http.reading import NAMED_ROUTES
+from gateway.sync.siblings import Siblings
 from policies import ConfigError
 
 log = logging.getLogger("prefixgate.gateway")
@@ -60,11 +61,15 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def create_app(
-    config: GatewayConfig, *, config_path: Path | None = None, gateway_id: str | None = None
+    config: GatewayConfig,
+    *,
+    config_path: Path | None = None,
+    gateway_id: str | None = None,
+    siblings: Siblings | None = None,
 ) -> web.Application:
     # Unique per instance: gateways sharing Redis tell their own predictions from the others' by it.
     default_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-    gw = Gateway(config, gateway_id or config.gateway_id or default_id)
+    gw = Gateway(config, gateway_id or config.gateway_id or default_id, siblings)
     app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[errors])
     app[GATEWAY] = gw
     app[STATE] = gw.state

@@ -22,6 +22,7 @@ from gateway.gateway_state import GatewayState
 from gateway.http.keys import GATEWAY, STATE
 from gateway.http.openapi import OPENAPI
 from gateway.http.reading import forwarded_headers, json_body, read_body
+from gateway.metrics_merge import merge_expositions
 from protocol.serving import METRICS_CONTENT_TYPE
 
 PROXIED_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
@@ -126,6 +127,8 @@ async def health(request: web.Request) -> web.Response:
         "redis": {"configured": gw.redis is not None, "ok": gw.redis_ok},
         "degraded": degraded,
     }
+    if gw.siblings is not None:
+        body["siblings"] = gw.siblings.stats()
     return web.json_response(body, status=200 if routable else 503)
 
 
@@ -135,9 +138,14 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """This process's metrics; with `serve --workers N`, every process's, labelled by `process`."""
     gw = request.app[GATEWAY]
     gw.refresh_metrics()
-    return web.Response(body=gw.state.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+    body = gw.state.metrics.render()
+    if gw.siblings is not None:
+        parts = {gw.siblings.index: body, **await gw.siblings.scrape()}
+        body = merge_expositions((str(k), parts[k]) for k in sorted(parts))
+    return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 async def openapi(request: web.Request) -> web.Response:

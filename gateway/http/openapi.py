@@ -272,6 +272,10 @@ OPENAPI: dict[str, Any] = {
                             "type": "object",
                             "required": ["replicas", "pending"],
                             "properties": {
+                                "gateway_id": {
+                                    "type": "string",
+                                    "description": "the gateway (process) that answers",
+                                },
                                 "replicas": {"type": "array", "items": _ref("Replica")},
                                 "pending": {
                                     "type": "array",

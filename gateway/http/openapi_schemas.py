@@ -146,7 +146,11 @@ REPLICA: dict[str, Any] = {
         },
         "healthy": {"type": "boolean"},
         "draining": {"type": "boolean"},
-        "inflight": {"type": "integer"},
+        "inflight": {"type": "integer", "description": "this process's requests in flight there"},
+        "sibling_inflight": {
+            "type": "integer",
+            "description": "the other processes' (serve --workers N), counted in its load",
+        },
         "load": {
             "type": "object",
             "properties": {
@@ -178,12 +182,25 @@ HEALTH: dict[str, Any] = {
         "policy": {"type": "string"},
         "redis": {"type": "object"},
         "degraded": {"type": "boolean"},
+        "siblings": {
+            "type": "object",
+            "description": "serve --workers N: this process, and its messages to and from the others",
+            "properties": {
+                "process": {"type": "integer"},
+                "processes": {"type": "integer"},
+                "sent": {"type": "integer"},
+                "received": {"type": "integer"},
+                "dropped": {"type": "integer"},
+                "malformed": {"type": "integer"},
+            },
+        },
     },
 }
 ROUTE_EXPLANATION: dict[str, Any] = {
     "type": "object",
     "required": ["model", "policy", "prompt_tokens", "tokenized", "order", "replicas"],
     "properties": {
+        "gateway_id": {"type": "string", "description": "the gateway (process) that explains it"},
         "model": {"type": "string"},
         "policy": {"type": "string"},
         "prompt_tokens": {"type": "integer"},

@@ -1,5 +1,5 @@
-"""`bench throughput` end to end (the replica and the gateway as processes, the peer left out), and the
-chats it sends: each new from its first word."""
+"""`bench throughput` end to end (the replica and the gateways, one process and two, as processes, the
+peer left out), and the chats it sends: each new from its first word."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def test_cli_measures_the_replica_and_the_gateway(tmp_path: Path) -> None:
         "0.5",
         "--warm-up",
         "0.2",
+        "--gateway-workers",
+        "1,2",
     ]
     main([*argv, "--no-peer", "--json", str(out)])
     payload = json.loads(out.read_text())
@@ -44,10 +46,12 @@ def test_cli_measures_the_replica_and_the_gateway(tmp_path: Path) -> None:
     assert payload["missing"] == {PEER: "left out (--no-peer)"}
     for words in ("20", "60"):
         result = payload["results"][words]
-        assert set(result["req_s"]) == {"direct", "prefixgate"}
+        assert set(result["req_s"]) == {"direct", "prefixgate", "prefixgate x2"}
         assert all(rate > 0 for rate in result["req_s"].values())
         # Each target measured twice (ABBA), its better phase reported.
         assert all(len(p) == 2 for p in result["phases_req_s"].values())
         assert result["req_s"]["prefixgate"] == max(result["phases_req_s"]["prefixgate"])
-        assert result["failed"] == {"direct": 0, "prefixgate": 0}
-        assert result["prefixgate_cpu_s_per_request"] > 0
+        assert result["failed"] == {"direct": 0, "prefixgate": 0, "prefixgate x2": 0}
+        # The two-process gateway's CPU is its processes' (the parent alone relays and would read ~0).
+        assert set(result["cpu_s_per_request"]) == {"prefixgate", "prefixgate x2"}
+        assert all(cpu > 0.1e-3 for cpu in result["cpu_s_per_request"].values())

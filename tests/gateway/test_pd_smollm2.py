@@ -131,7 +131,7 @@ def test_a_client_leaving_mid_transfer_frees_both_pools(fleet: PdFleet) -> None:
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        leaving = fleet.client(timeout=httpx.Timeout(30, read=1.0))
+        leaving = fleet.client(timeout=openai.Timeout(30, read=1.0))
         with pytest.raises(openai.APITimeoutError):
             ask(leaving, "A question nobody waits for the answer to, about " + "caches " * 40)
         watching.set()

@@ -161,3 +161,31 @@ def test_decide_pairs_only_models_served_by_prefill_and_decode_replicas() -> Non
     assert rows["d"]["prefill_replica"] == "p" and rows["d"]["rank"] == 0
     # A route whose body cannot name a prefill replica: the decode replica computes the prompt.
     assert decide(policy, index, pd_fleet, tokens, pd=pd, transfer=False).prefill == {}
+
+
+def test_a_siblings_requests_count_in_the_load_and_end_with_it() -> None:
+    """`serve --workers N`: what the other processes placed here weighs as this process's own does, and
+    a sibling that exits takes its requests with it."""
+    replicas = ReplicaSet()
+    told: list[tuple[object, ...]] = []
+    replicas.announce = told.append
+    r = replica("a")
+    r.report = LoadReport(running=1, waiting=0, queued_prefill_tokens=0, kv_blocks_total=100, at=2.0)
+    replicas.add(r)
+    replicas.sibling_dispatched(1, "a", 7, at=1.0, prefill_tokens=500, kv_blocks=9)  # in the report
+    replicas.sibling_dispatched(1, "a", 8, at=3.0, prefill_tokens=300, kv_blocks=5)
+    replicas.sibling_dispatched(2, "a", 8, at=3.0, prefill_tokens=200, kv_blocks=4)  # another's handle 8
+    replicas.sibling_dispatched(2, "unknown", 1, at=3.0, prefill_tokens=1, kv_blocks=1)
+    assert r.load() == (1, 2, 500) and r.free_blocks() == 91
+    replicas.sibling_started(1, "a", 8)
+    assert r.load() == (2, 1, 200)
+    own = replicas.dispatched(r, now=4.0, prefill_tokens=50, kv_blocks=1)
+    assert r.load() == (2, 2, 250)
+    replicas.sibling_gone(2)
+    assert r.load() == (2, 1, 50)
+    replicas.sibling_finished(1, "a", 8)
+    replicas.started(r, own, ttft_s=0.1, alpha=0.5, min_tokens=1)
+    replicas.finished(r, own)
+    replicas.finished(r, own)  # told once
+    assert r.load() == (1, 0, 0) and set(r.sibling_inflight) == {(1, 7)}
+    assert told == [("dispatched", "a", own, 4.0, 50, 1), ("started", "a", own), ("finished", "a", own)]
