@@ -4,6 +4,7 @@ those numbers for the benchmarks (soak's RSS trend, overhead's CPU per request, 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,11 +55,20 @@ def child_pids(pid: int) -> set[int]:
 
 def group_cpu_s(pid: int) -> float:
     """CPU seconds of a process and its children now (those that exited are not counted)."""
-    total = cpu_s(pid)
+    return _group_sum(pid, cpu_s)
+
+
+def group_peak_rss_bytes(pid: int) -> int:
+    """The peak resident memory (VmHWM) of a process and of each of its children, summed."""
+    return int(_group_sum(pid, lambda p: _status_bytes(p, "VmHWM")))
+
+
+def _group_sum(pid: int, read: Callable[[int], float]) -> float:
+    total = read(pid)
     for child in child_pids(pid):
         try:
-            total += cpu_s(child)
-        except OSError:
+            total += read(child)
+        except (OSError, RuntimeError):  # it exited while we looked
             continue
     return total
 

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from bench.conversation import sentence
 from bench.local_fleet import Child, Fleet, gateway_config, spawn, start_gateway, wait_healthy
 from bench.peers import peer_router
-from bench.procfs import group_cpu_s
+from bench.procfs import group_cpu_s, group_peak_rss_bytes
 from bench.report import bar_panels, format_table, write_json
 from gateway.forward.upstream import UpstreamError
 from gateway.forward.upstream_client import UpstreamClient
@@ -199,6 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "failed": failures,
                 "cpu_s_per_request": {t: min(c) for t, c in cpu.items() if c},
             }
+        peak_rss = {name: group_peak_rss_bytes(g.pid) / 2**20 for name, g in gateways.items()}
     payload = {
         "config": {
             "clients": args.clients,
@@ -208,6 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpus": os.cpu_count(),
         },
         "targets": list(urls),
+        "peak_rss_mib": peak_rss,
         "missing": missing,
         "results": results,
     }
@@ -251,5 +253,6 @@ def _tables(p: dict[str, Any]) -> str:
     )
     lines = [format_table(title, header, rows)]
     lines += [f"{target}: {why}" for target, why in p["missing"].items()]
+    lines += [f"{t}: peak RSS {mib:.0f} MiB, all its processes" for t, mib in p["peak_rss_mib"].items()]
     lines.append(f"bar: prefixgate >= {BAR_SHARE:g}x sglang-router's req/s on 200-word chats")
     return "\n".join(lines)

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from gateway.sync.siblings import EVERYONE, HEADER, SEND_BUFFER_BYTES, frame, read_frame
+from gateway.sync.sibling_wire import EVERYONE, HEADER, SEND_BUFFER_BYTES, frame, read_frame
 from protocol.backoff import Backoff
 
 log = logging.getLogger("prefixgate.gateway.processes")

@@ -15,10 +15,8 @@ from aiohttp import web
 
 from gateway import process_group
 from gateway.gateway_config import load_config
-from gateway.http.app import create_app
-from gateway.sync.siblings import Siblings
 from policies import ConfigError
-from protocol.serving import EVENT_LOOPS, serve
+from protocol.serving import EVENT_LOOPS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +69,11 @@ def run(args: argparse.Namespace, extend: Callable[[web.Application], None] | No
         return process_group.run(
             lambda k, fd, port: _child(args, k, fd, port), args.workers, listen.host, listen.port
         )
+    # Here, not at the top: the parent of `--workers N` serves nothing and needs none of it.
+    from gateway.http.app import create_app
+    from gateway.sync.siblings import Siblings
+    from protocol.serving import serve
+
     siblings, gateway_id = None, None
     if args.sibling is not None:
         index, count, fd = (int(part) for part in args.sibling.split(":"))

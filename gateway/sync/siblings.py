@@ -12,8 +12,7 @@ decide, so each tells its siblings, through the parent's relay (gateway.process_
 - replicas added, drained or removed through its admin API;
 - its metrics, when a scrape reaches another process (that one answers for all of them).
 
-Messages are tuples (kind, sender, ...) packed with msgpack, many to a frame: a frame is the
-HEADER (the one process it is for, or EVERYONE; the payload's length) and the payload. A process
+Messages are tuples (kind, sender, ...), many to a frame (gateway.sync.sibling_wire). A process
 sends at most one frame per turn of its event loop, so the relay costs a write per turn, not per
 request. The relay tells the others when a process exits ("gone"), which ends its requests in their
 accounting. When the relay goes away (the parent died), the process stops itself: nobody supervises it
@@ -28,9 +27,7 @@ import logging
 import os
 import signal
 import socket
-import struct
 import time
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -39,34 +36,12 @@ from redis.asyncio import Redis
 from gateway.fleet.replicas import Replica, Source
 from gateway.gateway_config import ReplicaEntry
 from gateway.gateway_state import GatewayState
+from gateway.sync.sibling_wire import EVERYONE, SEND_BUFFER_BYTES, decode_messages, frame, read_frame
 
 log = logging.getLogger("prefixgate.gateway.siblings")
 
-# (the process a frame is for, or EVERYONE; the payload's length in bytes).
-HEADER = struct.Struct(">iI")
-EVERYONE = -1
-# A frame larger than this is a broken relay, not a message.
-MAX_FRAME_BYTES = 64 << 20
-# Past this many bytes unsent to the relay, messages are dropped (and counted) rather than queued.
-SEND_BUFFER_BYTES = 16 << 20
 # How long a scrape waits for the siblings' metrics.
 SCRAPE_WAIT_S = 1.0
-
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(list[list[Any]]).decode
-
-
-def frame(messages: Sequence[tuple[Any, ...] | list[Any]], to: int = EVERYONE) -> bytes:
-    payload = _encode(messages)
-    return HEADER.pack(to, len(payload)) + payload
-
-
-async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    """(to, payload); IncompleteReadError at the end of the stream."""
-    to, length = HEADER.unpack(await reader.readexactly(HEADER.size))
-    if length > MAX_FRAME_BYTES:
-        raise ValueError(f"a sibling frame of {length} bytes")
-    return to, await reader.readexactly(length)
 
 
 class Gateway(Protocol):
@@ -169,7 +144,7 @@ class Siblings:
             while True:
                 _, payload = await read_frame(reader)
                 try:
-                    messages = _decode(payload)
+                    messages = decode_messages(payload)
                 except msgspec.DecodeError as error:
                     self._malformed(payload[:64], error)
                     continue

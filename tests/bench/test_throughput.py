@@ -44,6 +44,8 @@ def test_cli_measures_the_replica_and_the_gateway(tmp_path: Path) -> None:
     payload = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     assert payload["missing"] == {PEER: "left out (--no-peer)"}
+    # Two processes (and their parent) hold more than one.
+    assert payload["peak_rss_mib"]["prefixgate x2"] > payload["peak_rss_mib"]["prefixgate"] > 20
     for words in ("20", "60"):
         result = payload["results"][words]
         assert set(result["req_s"]) == {"direct", "prefixgate", "prefixgate x2"}

@@ -178,6 +178,7 @@ def test_a_request_in_flight_counts_in_every_process(
     config = {"models": {HELD_MODEL: {"tokenizer": "none"}}, "replicas": [{"url": url, "id": "held"}]}
     gateway = fleet.add(start_gateway(fleet.workdir, "gw", config, "--workers", "2"))
     wait_healthy([gateway])
+    _health(gateway)  # both up: a process that joins later learns only of requests placed after
     body = {"model": HELD_MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
     sent = threading.Thread(
         target=httpx.post, args=(f"{gateway.url}/v1/completions",), kwargs={"json": body, "timeout": 60}

@@ -17,7 +17,8 @@ from gateway.fleet.replicas import Replica, Source
 from gateway.fleet.response_owners import ResponseOwners
 from gateway.gateway_config import ReplicaEntry, parse_config
 from gateway.gateway_state import GatewayState
-from gateway.sync.siblings import EVERYONE, HEADER, Siblings, frame, read_frame
+from gateway.sync.sibling_wire import EVERYONE, HEADER, frame, read_frame
+from gateway.sync.siblings import Siblings
 from tests.support.replicas import replica
 
 
