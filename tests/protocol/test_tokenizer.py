@@ -259,3 +259,31 @@ def test_the_protocol_tokenizer_runs_without_torch_or_transformers(tmp_path: Pat
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == ours.encode(ours.render_chat([{"role": "user", "content": "Hello!"}]))
     assert (next((tmp_path / "tokenizers").glob("*/*")) / "tokenizer.json").is_file()
+
+
+LOOP_TEMPLATE = (
+    "{% for m in messages %}{{ loop.index }}/{{ loop.index0 }}/{{ loop.revindex }}/{{ loop.revindex0 }}/"
+    "{{ loop.first }}/{{ loop.last }}/{{ loop.length }}/{{ loop.depth }}/{{ loop.depth0 }}/"
+    "{{ loop.previtem.role if loop.previtem is defined }}/"
+    "{{ loop.nextitem.role if loop.nextitem is defined }}/"
+    "{{ loop.cycle('odd', 'even') }}/{{ loop.changed(m.role) }};{% endfor %}"
+)
+
+
+def test_a_loops_variables_read_past_the_sandbox_render_as_in_it(
+    ours: Tokenizer, theirs: PreTrainedTokenizerBase
+) -> None:
+    """The sandbox's checks are skipped for a loop's documented values only (they cost more than the
+    rest of a render): every one reads as transformers reads it, and the loop's internals stay shut."""
+    messages = [{"role": r, "content": "x"} for r in ("system", "user", "assistant", "user")]
+    looped = Tokenizer(ours.backend, LOOP_TEMPLATE, ours.special_tokens)
+    rendered = looped.render_chat(messages)
+    assert rendered == hf_render(theirs, messages, LOOP_TEMPLATE)
+    assert rendered.startswith("1/0/4/3/True/False/4/1/0//user/odd/True;")
+    internal = Tokenizer(ours.backend, "{% for m in messages %}[{{ loop._iterator }}]{% endfor %}")
+    assert internal.render_chat(messages) == "[]" * 4  # the sandbox's undefined, as it always was
+    escape = Tokenizer(
+        ours.backend, "{% for m in messages %}{{ loop.__class__.__init__.__globals__ }}{% endfor %}"
+    )
+    with pytest.raises(ChatTemplateError, match="SecurityError"):
+        escape.render_chat(messages)
