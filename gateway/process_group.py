@@ -54,8 +54,6 @@ class ProcessGroup:
         self.port = port
         self.count = count
         self.processes: dict[int, asyncio.subprocess.Process] = {}
-        self.restarts = 0
-        self.relayed = 0
         self.dropped = 0
         self._links: dict[int, asyncio.StreamWriter] = {}
         self._stopping = False
@@ -101,7 +99,7 @@ class ProcessGroup:
             started = time.monotonic()
             reader, writer = await asyncio.open_unix_connection(sock=ours)
             self._links[index] = writer
-            relay = asyncio.create_task(self._relay(index, reader), name=f"relay:{index}")
+            relay = asyncio.create_task(self._relay(index, reader, process), name=f"relay:{index}")
             code = await process.wait()
             relay.cancel()
             await asyncio.gather(relay, return_exceptions=True)
@@ -113,15 +111,23 @@ class ProcessGroup:
             if time.monotonic() - started >= STEADY_S:
                 backoff.succeeded()
             delay = backoff.failed()
-            self.restarts += 1
             log.error("gateway process %d exited (%s); restarting it in %.0f s", index, code, delay)
             await asyncio.sleep(delay)
 
-    async def _relay(self, index: int, reader: asyncio.StreamReader) -> None:
-        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+    async def _relay(
+        self, index: int, reader: asyncio.StreamReader, process: asyncio.subprocess.Process
+    ) -> None:
+        try:
             while True:
                 to, payload = await read_frame(reader)
                 self._send(HEADER.pack(to, len(payload)) + payload, to, index)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return  # it exited
+        except ValueError as error:
+            # Its frames no longer make sense: it is restarted rather than left half-connected.
+            log.error("gateway process %d sent a broken frame (%s): restarting it", index, error)
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
 
     def _send(self, data: bytes, to: int, sender: int) -> None:
         for index, writer in self._links.items():
@@ -133,7 +139,6 @@ class ProcessGroup:
                 self.dropped += 1
                 continue
             writer.write(data)
-            self.relayed += 1
 
 
 def run(command: Command, count: int, host: str, port: int) -> int:

@@ -42,6 +42,13 @@ log = logging.getLogger("prefixgate.gateway.siblings")
 
 # How long a scrape waits for the siblings' metrics.
 SCRAPE_WAIT_S = 1.0
+# The fields after (kind, sender) of the messages that feed a replica's load: checked before they
+# reach it, where a wrong type would fail every later decision on that replica.
+_ACCOUNTING: dict[str, tuple[type | tuple[type, ...], ...]] = {
+    "dispatched": (str, int, (int, float), int, int),
+    "started": (str, int),
+    "finished": (str, int),
+}
 
 
 class Gateway(Protocol):
@@ -168,9 +175,15 @@ class Siblings:
         assert gw is not None
         state = gw.state
         kind, sender, *rest = message
+        if not isinstance(sender, int):
+            raise TypeError(f"sender {sender!r} is not a process index")
+        types = _ACCOUNTING.get(kind)
+        if types is not None and (
+            len(rest) != len(types) or not all(isinstance(v, t) for v, t in zip(rest, types, strict=True))
+        ):
+            raise TypeError(f"{kind} takes {len(types)} fields of types {types}")
         if kind == "dispatched":
-            replica_id, handle, at, prefill_tokens, kv_blocks = rest
-            state.replicas.sibling_dispatched(sender, replica_id, handle, at, prefill_tokens, kv_blocks)
+            state.replicas.sibling_dispatched(sender, *rest)
         elif kind == "started":
             state.replicas.sibling_started(sender, *rest)
         elif kind == "finished":

@@ -103,6 +103,8 @@ async def _their_messages_change_this_process_and_a_bad_one_is_only_counted() ->
                 ("started", 1, "a", 9),
                 ("nonsense", 1),  # an unknown kind: skipped, counted
                 ("dispatched", 1, "a"),  # too short: skipped, counted
+                ("dispatched", 1, "a", "9", 1.0e12, 100, 1),  # a handle of the wrong type: the same
+                ("finished", "1", "a", 9),  # a sender that is no index: the same
                 (
                     "prediction",
                     1,
@@ -118,7 +120,7 @@ async def _their_messages_change_this_process_and_a_bad_one_is_only_counted() ->
     writer.write(HEADER.pack(EVERYONE, 3) + b"\xc1\xc1\xc1")  # not msgpack: skipped, counted
     a = gw.state.replicas.get("a")
     assert a is not None
-    await _until(lambda: siblings.received == 10 and siblings.malformed == 3)
+    await _until(lambda: siblings.received == 12 and siblings.malformed == 5)
     await _until(lambda: gw.added and gw.removed)
     assert a.load()[:3] == (1, 1, 500) and a.draining
     assert gw.state.index.match([7, 8]) == {"b": 2}
