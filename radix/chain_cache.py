@@ -74,7 +74,7 @@ class ChainCache:
             return chain_packed(root, data, block_size)
         keys = _checkpoint_keys(data, step, marks, root, block_size)
         found = self._chains.longest(keys)
-        chain, start = ([], 0) if found is None else (found[1], marks[found[0]])
+        chain, start = ([], 0) if found is None else (found[1].tolist(), marks[found[0]])
         chain += chain_packed(chain[-1] if chain else root, data[start * step : blocks * step], block_size)
         self._keep(chain, marks[-2:], keys[-2:], start)
         return chain

@@ -24,15 +24,16 @@ class PackedLRU(Generic[K]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def longest(self, keys: Sequence[K]) -> tuple[int, list[int]] | None:
-        """Of `keys` (shortest prefix first), the last one held, as (its position in `keys`, its values),
-        now the most recently used; None when none is held."""
+    def longest(self, keys: Sequence[K]) -> tuple[int, array[int]] | None:
+        """Of `keys` (shortest prefix first), the last one held, as (its position in `keys`, its values:
+        the array held, which the caller must not change), now the most recently used; None when none
+        is held."""
         entries = self._entries
         for i in range(len(keys) - 1, -1, -1):
             found = entries.get(keys[i])
             if found is not None:
                 entries.move_to_end(keys[i])
-                return i, found.tolist()
+                return i, found
         return None
 
     def keep(self, key: K, values: array[int]) -> None:

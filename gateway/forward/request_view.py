@@ -92,7 +92,8 @@ def read_request(route: Route, body: dict[str, Any] | None) -> RequestView:
 
 
 def prompt_ids(view: RequestView, tokenizer: Tokenizer) -> list[int] | None:
-    """The prompt's ids for routing (None: nothing to route on). Runs on the tokenizer thread."""
+    """The prompt's ids for routing (None: nothing to route on). Runs on a tokenizer thread, or on the
+    event loop when little is left to encode (gateway.forward.tokenizers)."""
     if view.token_ids is not None:
         return view.token_ids
     if view.text is not None:

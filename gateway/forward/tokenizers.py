@@ -15,7 +15,12 @@ worker gets (`Prompt.tokenized`): that worker tokenizes the prompt itself.
 Tokenizing runs off the event loop, and without the GIL (protocol.tokenizer), on two threads: one
 for short prompts and one for long ones, so a long prompt waits only behind other long ones, and a
 burst of them never delays a short one nor takes more than one core. Past LONG_QUEUE long prompts
-waiting, another is routed by load instead of waiting too.
+waiting, another is routed by load instead of waiting too. A prompt with little left to encode is
+tokenized on the event loop instead, where the hop to a thread and back would cost more than the
+encoding (INLINE_CHARS): a short one, or a conversation turn whose history the prefix cache knows.
+Rendering and the cache's lookups are Python, which holds the GIL wherever it runs, so they cost the
+loop the same there as on a thread. A turn that turns out to have more to encode is handed to the
+thread whole, nothing kept of the try.
 
 A model configured with `tokenizer: none` routes without prefix information unless the client sends
 token ids: its replicas still get the request, the prompt just matches nothing.
@@ -30,11 +35,11 @@ from dataclasses import dataclass
 
 import orjson
 
-from gateway.forward.prefix_cache import CacheStats, PrefixCache
+from gateway.forward.prefix_cache import Allowance, CacheStats, PrefixCache, TooLong
 from gateway.forward.request_view import RequestView, prompt_ids
 from gateway.gateway_config import Limits
 from protocol.models import load_tokenizer_spec
-from protocol.tokenizer import ChatTemplateError, HeadTokenizer, Tokenizer
+from protocol.tokenizer import ChatTemplateError, HeadTokenizer, Tokenizer, encode_ids
 
 log = logging.getLogger("prefixgate.gateway.tokenizers")
 
@@ -43,6 +48,12 @@ log = logging.getLogger("prefixgate.gateway.tokenizers")
 SHORT_PROMPT_CHARS = 32_768
 # Long prompts waiting or being tokenized at most (about max_tokenized_chars each: a few seconds in all).
 LONG_QUEUE = 8
+# Characters a prompt may have left to encode on the event loop, past what the prefix cache knows:
+# about 0.2 ms of encoding here, less than a hop to the tokenizer thread and back (docs/benchmarks.md).
+INLINE_CHARS = 1024
+# Prompts of at most this many characters are tried on the event loop when they could be cheap there
+# (a conversation with history): rendering and looking up about 0.3 ms of Python at most.
+INLINE_TRY_CHARS = 65_536
 
 # A conversation through the template and the encoder once, so that the first request finds both warm;
 # rendered, the sample on which a tokenizer's prefix cache is checked (gateway.forward.prefix_cache).
@@ -133,9 +144,13 @@ class Tokenizers:
                 self.ensure(model)
             return None
         cache = self._caches.get(model)
+        chars = _chars(view)
+        inline = _inline(view, tokenizer, cache, limits) if _worth_inline(view, chars, limits) else None
+        if inline is not None:
+            return inline
         head = HeadTokenizer.of(tokenizer, limits.max_tokenized_chars, cache.encode if cache else None)
         loop = asyncio.get_running_loop()
-        if _chars(view) <= SHORT_PROMPT_CHARS:
+        if chars <= SHORT_PROMPT_CHARS:
             ids = await loop.run_in_executor(self._short, prompt_ids, view, head)
         elif self._long_queued >= LONG_QUEUE:
             return None
@@ -147,8 +162,7 @@ class Tokenizers:
                 self._long_queued -= 1
         if ids is None:
             return None
-        whole = not head.budget.cut and len(ids) <= limits.max_routed_tokens
-        return Prompt(_head(ids, limits.max_routed_tokens), tokenized=whole)
+        return _prompt(ids, limits, cut=head.budget.cut)
 
     def status(self) -> dict[str, str]:
         """Per model: loaded, loading, none (configured so) or the error that left it without one."""
@@ -179,6 +193,42 @@ def _prefix_cache(tokenizer: Tokenizer, max_bytes: int) -> PrefixCache | None:
     except ChatTemplateError:
         return None
     return PrefixCache.of(tokenizer.backend, sample, max_bytes)
+
+
+def _worth_inline(view: RequestView, chars: int, limits: Limits) -> bool:
+    """Whether to try `view` on the event loop: short, or a conversation with history that the prefix
+    cache may know, and well within the characters a prompt may have tokenized (so that the head cut,
+    which encodes past any allowance, never runs there)."""
+    if chars > min(INLINE_TRY_CHARS, limits.max_tokenized_chars // 2):
+        return False
+    return chars <= INLINE_CHARS or (view.messages is not None and len(view.messages) > 1)
+
+
+def _inline(
+    view: RequestView, tokenizer: Tokenizer, cache: PrefixCache | None, limits: Limits
+) -> Prompt | None:
+    """The prompt tokenized here, or None when more than INLINE_CHARS would be left to encode."""
+    allowance = Allowance(INLINE_CHARS)
+
+    def encode(text: str) -> list[int]:
+        if cache is not None:
+            return cache.encode(text, allowance)
+        allowance.take(len(text))
+        return encode_ids(tokenizer.backend, text)
+
+    head = HeadTokenizer.of(tokenizer, limits.max_tokenized_chars, encode)
+    try:
+        ids = prompt_ids(view, head)
+    except TooLong:
+        return None
+    return None if ids is None else _prompt(ids, limits, cut=head.budget.cut)
+
+
+def _prompt(ids: list[int], limits: Limits, cut: bool = False) -> Prompt:
+    """The ids as routing takes them: whole only when none were cut and all are routed on."""
+    return Prompt(
+        _head(ids, limits.max_routed_tokens), tokenized=not cut and len(ids) <= limits.max_routed_tokens
+    )
 
 
 def _head(ids: list[int], count: int) -> list[int]:

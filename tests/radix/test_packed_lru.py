@@ -12,8 +12,8 @@ def test_the_last_held_key_is_found_and_refreshed() -> None:
     lru: PackedLRU[str] = PackedLRU(max_bytes=10_000, overhead_bytes=0)
     lru.keep("a", array("I", [1]))
     lru.keep("ab", array("I", [1, 2]))
-    assert lru.longest(["a", "ab", "abc"]) == (1, [1, 2])
-    assert lru.longest(["a"]) == (0, [1])
+    assert lru.longest(["a", "ab", "abc"]) == (1, array("I", [1, 2]))
+    assert lru.longest(["a"]) == (0, array("I", [1]))
     assert lru.longest(["x", "y"]) is None and lru.longest([]) is None
 
 
@@ -21,7 +21,7 @@ def test_a_held_key_keeps_its_values() -> None:
     lru: PackedLRU[str] = PackedLRU(max_bytes=10_000, overhead_bytes=10)
     lru.keep("a", array("Q", [1, 2]))
     lru.keep("a", array("Q", [9]))
-    assert lru.longest(["a"]) == (0, [1, 2]) and lru.bytes == 2 * 8 + 10 and len(lru) == 1
+    assert lru.longest(["a"]) == (0, array("Q", [1, 2])) and lru.bytes == 2 * 8 + 10 and len(lru) == 1
 
 
 def test_the_least_recently_used_go_first_past_the_bound() -> None:

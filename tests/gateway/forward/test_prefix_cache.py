@@ -10,7 +10,7 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.forward.prefix_cache import MIN_PREFIX_CHARS, PrefixCache
+from gateway.forward.prefix_cache import LOOKBACK, MIN_PREFIX_CHARS, Allowance, PrefixCache, TooLong
 from protocol.models import load_tokenizer_spec
 from protocol.tokenizer import Tokenizer
 
@@ -29,7 +29,7 @@ def render(messages: list[dict[str, str]]) -> str:
 def cache(max_bytes: int = 2**24) -> PrefixCache:
     system = {"role": "system", "content": "sample " * 80}
     made = PrefixCache.of(TOKENIZER.backend, render([system, {"role": "user", "content": "hi"}]), max_bytes)
-    assert made is not None and made.markers == ("<|im_start|>",)
+    assert made is not None and made.marker == "<|im_start|>"
     return made
 
 
@@ -156,3 +156,42 @@ def test_a_cache_is_made_only_for_markers_that_cut_exactly(
 
 def test_a_zero_bound_is_no_cache() -> None:
     assert PrefixCache.of(TOKENIZER.backend, render([{"role": "user", "content": "x" * 400}]), 0) is None
+
+
+def test_a_conversation_edited_far_back_still_reuses_what_it_shares() -> None:
+    prefixes = cache()
+    system = {"role": "system", "content": "Shared instructions for every tenant session. " * 30}
+    turns = [{"role": "user" if n % 2 == 0 else "assistant", "content": f"turn {n} " * 20} for n in range(10)]
+    prefixes.encode(render([system, *turns[:3]]))
+    # The same first three turns, then more new turns than the cuts looked up first.
+    edited = [
+        system,
+        *turns[:3],
+        *({"role": m["role"], "content": "edited " + m["content"]} for m in turns[3:]),
+    ]
+    rendered = render(edited)
+    assert len(prefixes.cuts(rendered)) > LOOKBACK + 3
+    before = prefixes.stats.reused_tokens
+    assert prefixes.encode(rendered) == whole(rendered)
+    assert prefixes.stats.reused_tokens - before >= len(whole(render([system, *turns[:2]])))
+
+
+def test_past_its_allowance_a_text_is_refused_before_anything_is_tokenized_or_kept() -> None:
+    prefixes = cache()
+    first = render([{"role": "system", "content": "instructions " * 100}, {"role": "user", "content": "hi"}])
+    with pytest.raises(TooLong):
+        prefixes.encode(first, Allowance(100))
+    assert (prefixes.stats.hits, prefixes.stats.misses, prefixes.stats.entries) == (0, 0, 0)
+    prefixes.encode(first)
+    # The next turn has little that is new: within a small allowance, which it then uses up.
+    turn = render(
+        [
+            {"role": "system", "content": "instructions " * 100},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "bye"},
+        ]
+    )
+    allowance = Allowance(200)
+    assert prefixes.encode(turn, allowance) == whole(turn)
+    assert 0 < allowance.chars < 200 and prefixes.stats.hits == 1
