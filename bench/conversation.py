@@ -6,12 +6,17 @@ each prompt pays for the whole conversation again at every turn; its caches (the
 cache, gateway.forward.prefix_cache, and the hash-chain cache, radix.chain_cache) are what should
 make that cost the turn's new text alone, and uvloop (the fast extra) what trims the fixed cost of
 every hop. One conversation at a time, as one user would drive it: a long system prompt, then
-`--rounds` rounds of a user turn and an assistant answer, each round sent direct to the replica and
-through each gateway of GATEWAYS, one after the other, in an order that rotates every round so that
-a noisy second falls on each path alike. The replica is a simulated worker with a zero cost model
-that reads chats as words (a backend with a tokenizer of its own, to which the gateway forwards the
-body as sent), so that its own time is its software alone; the gateways tokenize with the default
-model's tokenizer, as they would in front of a real replica of it.
+`--rounds` rounds of a user turn and an assistant answer. Each gateway of GATEWAYS is timed in a phase
+of its own, the same conversations each time: every round is sent direct to the replica and through
+the gateway, in an order that alternates every round so that a noisy second falls on both alike, and
+the gateway's added time is read against the direct sends of its own phase. Phases, not all paths
+in one rotation: a gateway without caches spends milliseconds of tokenizing a round, which would
+leave the next path to run on a CPU whose caches it has just cooled.
+
+The replica is a simulated worker with a zero cost model that reads chats as words (a backend with
+a tokenizer of its own, to which the gateway forwards the body as sent), so that its own time is its
+software alone; the gateways tokenize with the default model's tokenizer, as they would in front of
+a real replica of it.
 
 Reported: TTFT and end-to-end latency per path, what each gateway adds at p50 and p99 over direct,
 the prefix cache's hits and the share of prompt tokens it supplied (from the gateway's /metrics), and
@@ -153,8 +158,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if min(args.system_words, args.turn_words, args.rounds, args.conversations, args.max_tokens) < 1:
         raise SystemExit("prefixgate bench conversation: every count must be at least 1")
-    rng = random.Random(args.seed)
     times = {path: PathTimes() for path in PATHS}
+    # The direct sends of each gateway's phase, which its added time is read against.
+    direct = {path: PathTimes() for path in GATEWAYS}
     with tempfile.TemporaryDirectory(prefix="prefixgate-conversation-") as tmp, Fleet(Path(tmp)) as fleet:
         workdir = Path(tmp)
         spec = SimWorkers(1, str(instant_profile(workdir)))
@@ -176,31 +182,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         urls = {"direct": worker.url, **{path: g.url for path, g in gateways.items()}}
         cpu_before = {path: cpu_s(g.pid) for path, g in gateways.items()}
         total = args.conversations * args.rounds
-        with httpx.Client(timeout=60.0) as client, tqdm(total=total, desc="rounds") as bar:
-            for n in range(args.conversations):
-                for r, messages in enumerate(
-                    conversation(rng, args.system_words, args.turn_words, args.rounds)
-                ):
-                    body = orjson.dumps(
-                        {
-                            "model": spec.model,
-                            "messages": messages,
-                            "max_tokens": args.max_tokens,
-                            "stream": True,
-                            "temperature": 0,
-                        }
-                    )
-                    turn = n * args.rounds + r
-                    shift = turn % len(PATHS)
-                    for path in PATHS[shift:] + PATHS[:shift]:
-                        ttft, e2e = timed_chat(client, urls[path], body)
-                        times[path].ttft_s.append(ttft)
-                        times[path].e2e_s.append(e2e)
-                    bar.update()
+        with httpx.Client(timeout=60.0) as client, tqdm(total=total * len(GATEWAYS), desc="rounds") as bar:
+            for gateway in GATEWAYS:
+                rng = random.Random(args.seed)
+                for n in range(args.conversations):
+                    for r, messages in enumerate(
+                        conversation(rng, args.system_words, args.turn_words, args.rounds)
+                    ):
+                        body = orjson.dumps(
+                            {
+                                "model": spec.model,
+                                "messages": messages,
+                                "max_tokens": args.max_tokens,
+                                "stream": True,
+                                "temperature": 0,
+                            }
+                        )
+                        pair = (gateway, "direct") if (n * args.rounds + r) % 2 else ("direct", gateway)
+                        for path in pair:
+                            ttft, e2e = timed_chat(client, urls[path], body)
+                            for into in (times[path], *([direct[gateway]] if path == "direct" else [])):
+                                into.ttft_s.append(ttft)
+                                into.e2e_s.append(e2e)
+                        bar.update()
         cpu = {path: (cpu_s(g.pid) - cpu_before[path]) / total for path, g in gateways.items()}
         cache = cache_counts(gateways["gateway"].url)
         memory = {path: proc_stat(g.pid) for path, g in gateways.items()}
-    payload = _payload(args, times, cpu, cache, memory)
+    payload = _payload(args, times, direct, cpu, cache, memory)
     title = (
         f"a growing conversation: {args.system_words}-word system prompt, {args.turn_words}-word turns, "
         f"{args.rounds} rounds x {args.conversations}, one request at a time"
@@ -224,6 +232,7 @@ def _gateway(model: str, worker_url: str, cache_mib: int, tokenizer: str) -> dic
 def _payload(
     args: argparse.Namespace,
     times: dict[str, PathTimes],
+    direct: dict[str, PathTimes],
     cpu: dict[str, float],
     cache: dict[str, float],
     memory: dict[str, Any],
@@ -232,9 +241,13 @@ def _payload(
         path: {"ttft_s": latency_stats(t.ttft_s), "e2e_s": latency_stats(t.e2e_s)}
         for path, t in times.items()
     }
+    baseline = {
+        path: {"ttft_s": latency_stats(t.ttft_s), "e2e_s": latency_stats(t.e2e_s)}
+        for path, t in direct.items()
+    }
     added = {
         path: {
-            f"{key}_{p}": latency[path][key][p] - latency["direct"][key][p]
+            f"{key}_{p}": latency[path][key][p] - baseline[path][key][p]
             for key in ("ttft_s", "e2e_s")
             for p in ("p50", "p99")
         }
@@ -257,6 +270,7 @@ def _payload(
             )
         },
         "latency": latency,
+        "direct_by_phase": baseline,
         "added_s": added,
         "cache": {
             **cache,

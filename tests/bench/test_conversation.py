@@ -1,5 +1,6 @@
-"""`bench conversation` end to end: a real simulated worker and two real gateways (prefix cache on and
-off), one growing conversation sent three ways, and the table, JSON and PNG that come out."""
+"""`bench conversation` end to end: a real simulated worker and three real gateways (caches on and
+off), each timed in a phase of its own against direct sends of the same rounds, and the table, JSON
+and PNG that come out."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def test_cli_times_every_path_and_reads_the_cache_of_the_gateway_that_has_one(tm
     assert 0 < cache["block_share"] < 1
     for path in PATHS[1:]:
         assert payload["added_s"][path]["ttft_s_p50"] == pytest.approx(
-            payload["latency"][path]["ttft_s"]["p50"] - payload["latency"]["direct"]["ttft_s"]["p50"]
+            payload["latency"][path]["ttft_s"]["p50"] - payload["direct_by_phase"][path]["ttft_s"]["p50"]
         )
         assert payload["gateway_memory"][path]["peak_rss_bytes"] > 0
+    assert set(payload["direct_by_phase"]) == set(PATHS[1:])
     assert isinstance(payload["bar"]["met"], bool)
