@@ -34,7 +34,7 @@ import orjson
 
 from bench.conversation import conversation, sentence
 from bench.report import format_table, write_json
-from gateway.fleet.expectations import expect
+from gateway.fleet.expectations import expect, record
 from gateway.fleet.predictions import Predictions
 from gateway.fleet.replicas import Replica
 from gateway.forward.request_view import read_request
@@ -177,7 +177,8 @@ async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "def
             chosen = next(r for r in replicas if r.id == decision.order[0])
             hashes = decision.hashes[BLOCK_SIZE]
             start = time.perf_counter()
-            expect(index, predictions, chosen, hashes, precise=False, now=time.time(), request_timeout_s=600)
+            expectation = expect(index, chosen, hashes, precise=False)
+            record(index, predictions, expectation, now=time.time(), request_timeout_s=600)
             recorded = time.perf_counter()
             predictions.released(chosen.id, hashes)
             released = time.perf_counter()

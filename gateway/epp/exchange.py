@@ -26,7 +26,7 @@ from multidict import CIMultiDict
 from gateway.epp.endpoints import endpoint_of
 from gateway.fleet.expectations import NOTHING, Expectation, settle
 from gateway.fleet.replicas import Replica
-from gateway.forward.choice import choose, expect_first, model_of
+from gateway.forward.choice import choose, expect_first, model_of, record_first
 from gateway.forward.outcome import TAIL_BYTES, account, first_token, reported_usage
 from gateway.forward.request_view import PREFIX_ROUTES, Route, read_request
 from gateway.forward.routed import Routed
@@ -91,6 +91,7 @@ class Exchange:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         self.expectation = expect_first(state, route, decision)
+        record_first(state, self.expectation)  # Envoy sends the request: nothing to wait for here
         self.routed = Routed(
             route=route,
             model=model or "",

@@ -1,11 +1,16 @@
 """What a chosen replica is expected to hold once a request is sent there (docs/design.md §2 step 5),
-recorded before the request is forwarded so that the next request sharing its prefix follows it.
+recorded as the request leaves for it, before any other request is routed, so that the next request
+sharing its prefix follows it.
 
 A predicted replica (approximate mode) gets a prediction with a TTL, and what it was predicted to hold
 before, which the reuse it reports is checked against (Predictions.learn). An exact replica holds the
 prompt once it has computed it, which its events will say; a request sent there meanwhile waits for
 that prefill anyway and then reuses it, so until this request ends its prompt counts as held there
 (RadixIndex.settle).
+
+Reading what was held before (expect) and recording (record) are two steps so that the record, a
+walk over every block of the prompt, is made once the request is written upstream (the proxy) rather
+than on its way there.
 """
 
 from __future__ import annotations
@@ -19,40 +24,54 @@ from radix.capacity import Predicted
 from radix.index import RadixIndex
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Expectation:
-    """One request's record in the index, to be settled when it ends."""
+    """One request's record in the index, made once (record) and settled when the request ends."""
 
+    replica: str = ""
+    hashes: Sequence[int] = ()
+    precise: bool = False
     # Predicted replicas: what it was predicted to hold before this request, and the index's tick then.
     predicted: Predicted | None = None
     recorded_tick: int | None = None
-    # Exact replicas: the replica and the hashes held for the request's lifetime.
-    in_flight: tuple[str, Sequence[int]] | None = None
+    recorded: bool = False
+
+    @property
+    def in_flight(self) -> tuple[str, Sequence[int]] | None:
+        """Exact replicas, once recorded: the replica and the hashes held for the request's lifetime."""
+        return (self.replica, self.hashes) if self.precise and self.recorded else None
 
 
+# Nothing to record (no full block, or no prefix route): record and settle leave it as it is.
 NOTHING = Expectation()
 
 
-def expect(
-    index: RadixIndex,
-    predictions: Predictions,
-    chosen: Replica,
-    hashes: Sequence[int],
-    *,
-    precise: bool,
-    now: float,
-    request_timeout_s: float,
-) -> Expectation:
-    """Record that `chosen` will hold the prompt's blocks `hashes`."""
+def expect(index: RadixIndex, chosen: Replica, hashes: Sequence[int], *, precise: bool) -> Expectation:
+    """That `chosen` will hold the prompt's blocks `hashes`, with what it held of them before."""
     if not hashes:
         return NOTHING
-    if not precise:
-        predicted = index.predicted(chosen.id, hashes, chosen.pending_horizon())
-        tick = index.tick_now(chosen.id)
-        predictions.record(chosen.id, hashes, now)
-        return Expectation(predicted=predicted, recorded_tick=tick)
-    index.insert(chosen.id, hashes, expires_at=now + request_timeout_s)
-    return Expectation(in_flight=(chosen.id, hashes))
+    if precise:
+        return Expectation(chosen.id, hashes, precise=True)
+    predicted = index.predicted(chosen.id, hashes, chosen.pending_horizon())
+    return Expectation(chosen.id, hashes, predicted=predicted, recorded_tick=index.tick_now(chosen.id))
+
+
+def record(
+    index: RadixIndex,
+    predictions: Predictions,
+    expectation: Expectation,
+    *,
+    now: float,
+    request_timeout_s: float,
+) -> None:
+    """Record the expectation in the index (a prediction is shared too), once: later calls do nothing."""
+    if expectation.recorded or not expectation.hashes:
+        return
+    expectation.recorded = True
+    if expectation.precise:
+        index.insert(expectation.replica, expectation.hashes, expires_at=now + request_timeout_s)
+    else:
+        predictions.record(expectation.replica, expectation.hashes, now)
 
 
 def settle(index: RadixIndex, expectation: Expectation) -> None:

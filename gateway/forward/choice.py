@@ -9,7 +9,7 @@ import re
 import time
 from collections.abc import Mapping
 
-from gateway.fleet.expectations import NOTHING, Expectation, expect
+from gateway.fleet.expectations import NOTHING, Expectation, expect, record
 from gateway.fleet.replicas import Replica
 from gateway.forward.pd_legs import PAIRED_ROUTES
 from gateway.forward.request_view import PREFIX_ROUTES, RequestView, Route
@@ -84,7 +84,8 @@ async def choose(
 
 
 def expect_first(state: GatewayState, route: Route, decision: Decision) -> Expectation:
-    """Record what the first choice will hold of the prompt, and count the decision's time."""
+    """What the first choice is expected to hold of the prompt, to record as the request leaves for it
+    (record_first), and the decision's time counted."""
     if route not in PREFIX_ROUTES:
         return NOTHING
     state.metrics.child(state.metrics.decision, decision.policy).observe(decision.seconds)
@@ -92,12 +93,15 @@ def expect_first(state: GatewayState, route: Route, decision: Decision) -> Expec
     hashes = decision.hashes.get(chosen.block_size) if chosen is not None else None
     if chosen is None or not hashes:
         return NOTHING
-    return expect(
+    return expect(state.index, chosen, hashes, precise=chosen.precise)
+
+
+def record_first(state: GatewayState, expectation: Expectation) -> None:
+    """Record what the first choice is expected to hold, once (gateway.fleet.expectations)."""
+    record(
         state.index,
         state.predictions,
-        chosen,
-        hashes,
-        precise=chosen.precise,
+        expectation,
         now=time.time(),
         request_timeout_s=state.config.limits.request_timeout_s,
     )

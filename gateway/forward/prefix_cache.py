@@ -10,10 +10,11 @@ that does not strip the whitespace before it (`lstrip`), because the tokenizer s
 of the text before anything else runs, and tokenizes what lies between them piece by piece. The
 template's own turn markers (`<|im_start|>`, `<|start_header_id|>`) are such tokens, so a cut just
 before one of them is safe; texts are cut nowhere else. For the same reason what is new of a text
-is encoded in one piece, and the ids of a prefix to keep are read off it at the marker's id. A prefix is found by the digest of its text
-(BLAKE2b, 128 bits: content addressed, so a hit is the same text whoever sent it), taken at every cut
-in one pass; the longest one known wins. A tokenizer whose markers would not split exactly (checked
-once on a sample when the cache is made) gets no cache.
+is encoded in one piece, and the ids of a prefix to keep are read off it at the marker's id. A
+prefix is found by the digest of its text (BLAKE2b, 128 bits: content addressed, so a hit is the same
+text whoever sent it), taken at the last LOOKBACK cuts in one pass, and at every cut when none of
+those is known; the longest one known wins. A tokenizer whose markers would not split exactly
+(checked once on a sample when the cache is made) gets no cache.
 
 Bounded in bytes (the ids packed four bytes each), least recently used out first. It is called from
 the event loop and the tokenizer threads, hence the lock around the table; tokenizing runs outside it.

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -128,6 +128,10 @@ async def _attempt(
     uncached = max(decision.prompt_tokens - decision.view_of(replica.id).cached_tokens, 0)
     recorded = routed.recorded_tick if replica.id == decision.order[0] else None
     leg = prefill_leg(state, routed, replica)
+    leaving = routed.leaving if replica.id == decision.order[0] else None
+    if leg is not None and leaving is not None:
+        leaving()  # a paired attempt waits for its prefill side before this request is written
+        leaving = None
     # A paired decode replica receives the prompt's KV rather than computing it; it holds it either way.
     computed = 0 if leg is not None else uncached
     blocks = -(-uncached // replica.block_size)
@@ -145,7 +149,7 @@ async def _attempt(
             headers[STREAM_IDS_HEADER] = "1"
         if leg is not None:
             leg.sending(payload, headers)
-        upstream = await _guarded(leg, _send(state, routed, replica, payload, headers))
+        upstream = await _guarded(leg, _send(state, routed, replica, payload, headers, leaving))
         if leg is not None:
             leg.on_head(upstream.headers)
         if upstream.status in REFUSALS and not final:
@@ -196,9 +200,15 @@ async def _attempt(
 
 
 def _send(
-    state: GatewayState, routed: Routed, replica: Replica, payload: bytes, headers: Mapping[str, str]
+    state: GatewayState,
+    routed: Routed,
+    replica: Replica,
+    payload: bytes,
+    headers: Mapping[str, str],
+    leaving: Callable[[], None] | None = None,
 ) -> Awaitable[UpstreamResponse]:
-    """The request to `replica` under the gateway's connect and request timeouts."""
+    """The request to `replica` under the gateway's connect and request timeouts; `leaving` called as it
+    is written (gateway.forward.upstream_client)."""
     limits = state.config.limits
     return state.upstream.request(
         routed.method,
@@ -208,6 +218,7 @@ def _send(
         headers,
         connect_s=limits.connect_timeout_s,
         read_s=limits.request_timeout_s,
+        leaving=leaving,
     )
 
 

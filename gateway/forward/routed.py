@@ -4,6 +4,7 @@ for it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,3 +41,6 @@ class Routed:
     # that record. None: not predicted.
     predicted: Predicted | None = None
     recorded_tick: int | None = None
+    # Called as the request leaves for its first choice: records what that replica is expected to hold
+    # (gateway.forward.choice.record_first), before any other request is routed.
+    leaving: Callable[[], None] | None = None

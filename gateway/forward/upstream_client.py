@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import select
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from urllib.parse import urlsplit
@@ -257,9 +257,12 @@ class UpstreamClient:
         *,
         connect_s: float,
         read_s: float,
+        leaving: Callable[[], None] | None = None,
     ) -> UpstreamResponse:
         """Send a request (`target`: path and query) and wait for the answer's head. HEAD is not sent:
-        its answer has no body to frame by, and no API route needs it.
+        its answer has no body to frame by, and no API route needs it. `leaving` is called once, before
+        this first waits: right after the request is written to a pooled connection, else before a new
+        one is opened; what it does is done before any other task runs, off the request's way out.
 
         A request is resent (once, on a new connection) only when the replica cannot have acted on it
         twice. An idle connection the replica has closed is seen before the write (`usable`) and not
@@ -281,8 +284,17 @@ class UpstreamClient:
         # aiohttp hands header values over as UTF-8 with surrogate escapes: this gives back their bytes.
         data = "".join(lines).encode("utf-8", "surrogateescape") + body
         for fresh in (False, True):
-            conn, reused = await self._acquire(origin, connect_s, fresh)
+            conn = None if fresh else self._pooled(origin)
+            reused = conn is not None
+            if conn is None:
+                if leaving is not None:
+                    leaving()
+                    leaving = None
+                conn = await self._connect(origin, connect_s)
             response, written = conn.send(data, read_s)
+            if leaving is not None:
+                leaving()
+                leaving = None
             try:
                 await response.wait_head()
             except UpstreamError:
@@ -297,13 +309,17 @@ class UpstreamClient:
             return response
         raise AssertionError("unreachable: the second attempt uses a new connection")
 
-    async def _acquire(self, origin: Origin, connect_s: float, fresh: bool) -> tuple[Connection, bool]:
+    def _pooled(self, origin: Origin) -> Connection | None:
+        """An idle connection to `origin` that the replica has not closed, if any."""
         idle = self._idle.get(origin)
-        while idle and not fresh:
+        while idle:
             conn = idle.pop()
             if conn.usable():
-                return conn, True
+                return conn
             conn.close()
+        return None
+
+    async def _connect(self, origin: Origin, connect_s: float) -> Connection:
         secure = origin.scheme == "https"
         if secure and self._ssl is None:
             self._ssl = ssl.create_default_context()
@@ -321,7 +337,7 @@ class UpstreamClient:
             raise TimeoutError(f"no connection to {origin.authority} within {connect_s:g} s") from None
         except OSError as error:
             raise UpstreamError("connect_failed", f"cannot connect to {origin.authority}: {error}") from None
-        return conn, False
+        return conn
 
     def give_back(self, conn: Connection) -> None:
         if conn.closed:

@@ -8,13 +8,14 @@ then expected to hold recorded (gateway.forward.choice), and the request forward
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from gateway.fleet.expectations import settle
-from gateway.forward.choice import choose, expect_first, model_of
+from gateway.forward.choice import choose, expect_first, model_of, record_first
 from gateway.forward.proxy import forward
 from gateway.forward.request_view import PREFIX_ROUTES, Route, read_request
 from gateway.forward.routed import Routed
@@ -83,6 +84,7 @@ async def _route_and_forward(
         authorization=request.headers.get("Authorization"),
         predicted=expectation.predicted,
         recorded_tick=expectation.recorded_tick,
+        leaving=functools.partial(record_first, state, expectation),
     )
     try:
         return await forward(state, request, routed)

@@ -1,8 +1,8 @@
-"""What a routed request leaves in the index before it is forwarded, and after it ends."""
+"""What a routed request leaves in the index as it is forwarded, and after it ends."""
 
 from __future__ import annotations
 
-from gateway.fleet.expectations import NOTHING, expect, settle
+from gateway.fleet.expectations import NOTHING, expect, record, settle
 from gateway.fleet.predictions import Predictions
 from radix.index import RadixIndex
 from tests.support.replicas import replica
@@ -15,17 +15,12 @@ def test_a_predicted_replica_is_predicted_to_hold_the_prompt_for_the_ttl() -> No
     index.add_replica("p", 100, learn=True)
     index.insert("p", HASHES[:1])
     predictions = Predictions(index, ttl_s=30.0)
-    expectation = expect(
-        index,
-        predictions,
-        replica("p", kind="openai"),
-        HASHES,
-        precise=False,
-        now=1000.0,
-        request_timeout_s=5,
-    )
-    # What it held before this request is what its report will be checked against.
+    expectation = expect(index, replica("p", kind="openai"), HASHES, precise=False)
+    # What it held before this request is what its report will be checked against; nothing recorded yet.
     assert expectation.predicted is not None and expectation.recorded_tick is not None
+    assert index.match(HASHES)["p"] == 1 and predictions.stats.recorded == 0
+    for _ in range(2):  # once only
+        record(index, predictions, expectation, now=1000.0, request_timeout_s=5)
     assert expectation.in_flight is None and predictions.stats.recorded == 1
     assert index.match(HASHES)["p"] == 3
     settle(index, expectation)
@@ -36,27 +31,26 @@ def test_an_exact_replica_holds_the_prompt_only_while_the_request_runs() -> None
     index = RadixIndex()
     index.add_replica("e")
     predictions = Predictions(index, ttl_s=30.0)
-    expectation = expect(
-        index, predictions, replica("e"), HASHES, precise=True, now=1000.0, request_timeout_s=5
-    )
+    expectation = expect(index, replica("e"), HASHES, precise=True)
+    assert expectation.in_flight is None and index.match(HASHES).get("e", 0) == 0
+    record(index, predictions, expectation, now=1000.0, request_timeout_s=5)
     assert expectation.in_flight == ("e", HASHES) and expectation.predicted is None
     assert index.match(HASHES)["e"] == 3 and predictions.stats.recorded == 0
     settle(index, expectation)
     assert index.match(HASHES).get("e", 0) == 0, "its KV events say what it really stored"
 
 
+def test_an_expectation_never_recorded_settles_nothing() -> None:
+    index = RadixIndex()
+    index.add_replica("e")
+    index.insert("e", HASHES, expires_at=2000.0)  # another request's, in flight
+    settle(index, expect(index, replica("e"), HASHES, precise=True))
+    assert index.match(HASHES)["e"] == 3
+
+
 def test_a_prompt_without_full_blocks_leaves_nothing() -> None:
     index = RadixIndex()
     index.add_replica("e")
-    assert (
-        expect(
-            index,
-            Predictions(index, ttl_s=30.0),
-            replica("e"),
-            [],
-            precise=True,
-            now=0.0,
-            request_timeout_s=5,
-        )
-        is NOTHING
-    )
+    nothing = expect(index, replica("e"), [], precise=True)
+    record(index, Predictions(index, ttl_s=30.0), nothing, now=0.0, request_timeout_s=5)
+    assert nothing is NOTHING and not NOTHING.recorded and index.match(HASHES).get("e", 0) == 0

@@ -150,6 +150,31 @@ def test_a_connection_read_to_the_end_is_reused_and_one_left_unread_is_closed() 
     serve(endless, left)
 
 
+def test_leaving_is_called_once_before_the_client_first_waits() -> None:
+    async def reply(peer: Peer, _: bytes) -> None:
+        peer.send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    async def test(server: Server, client: UpstreamClient) -> None:
+        seen: list[tuple[int, int]] = []
+        for _ in range(2):  # on a new connection, then on the pooled one
+            response = await client.request(
+                "POST",
+                server.url,
+                "/v1/completions",
+                b"{}",
+                {},
+                connect_s=5,
+                read_s=5,
+                leaving=lambda: seen.append((server.connections, len(server.requests))),
+            )
+            assert await response.read() == b"ok"
+            response.release()
+        # No other task ran before it: the server had neither the new connection nor the request.
+        assert seen == [(0, 0), (1, 1)]
+
+    serve(reply, test)
+
+
 def test_a_kept_alive_connection_the_replica_closed_is_not_reused() -> None:
     async def reply(peer: Peer, request: bytes) -> None:
         peer.send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
