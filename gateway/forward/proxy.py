@@ -272,6 +272,15 @@ async def _relay_body(
     )
 
 
+class _Stream(web.StreamResponse):
+    """A relayed stream whose head goes out with its first chunk, in one write: the stream is prepared
+    only once its first output is in hand (_until_output), so nothing is gained by sending the head
+    alone, and the client wakes once for both. (aiohttp's switch for this, which its Response sets the
+    same way; without it the head goes alone, as before.)"""
+
+    _send_headers_immediately = False
+
+
 @dataclass(slots=True)
 class _Relay:
     """One client stream as it is relayed, from one replica or, continued (gateway.forward.migration), from
@@ -348,7 +357,7 @@ async def _relay_stream(
     then [DONE]."""
     replica = attempt.replica
     first_token(state, routed, attempt.replica, attempt.handle)
-    response = web.StreamResponse(
+    response = _Stream(
         status=200,
         headers=response_headers(upstream.headers, routed.decision, replica.id, attempt.prefill_id),
     )

@@ -13,6 +13,7 @@ in-process with no server.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -27,7 +28,7 @@ from aiohttp.test_utils import make_mocked_request
 from gateway.fleet.replicas import Replica
 from gateway.fleet.response_owners import ResponseOwners
 from gateway.forward.outcome import TAIL_BYTES
-from gateway.forward.proxy import _Attempt, _Relay, _successor, _until_output, forward
+from gateway.forward.proxy import _Attempt, _Relay, _Stream, _successor, _until_output, forward
 from gateway.forward.routed import Routed
 from gateway.forward.sse_events import ResponseIdScan, UsageStrip, response_body_id
 from gateway.forward.upstream import UpstreamResponse
@@ -38,6 +39,7 @@ from protocol.errors import ApiError
 from tests.support.gateways import RunningGateway, foreign_backend
 from tests.support.raw_replicas import MODEL, gateway_for
 from tests.support.replicas import replica, routed
+from tests.support.servers import ServerThread
 
 # -- the object the proxy's functions take ----------------------------------------------------------
 
@@ -246,6 +248,32 @@ def relay(state: GatewayState, *, strip: bool = False, scan: bool = False, answe
         None,
         ResponseIdScan() if scan else None,
     )
+
+
+def test_a_relayed_streams_head_goes_out_with_its_first_chunk() -> None:
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = _Stream(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await asyncio.sleep(0.4)
+        await response.write(b"data: one\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/", stream)
+    server = ServerThread(app)
+    server.start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as client:
+            client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            client.settimeout(0.2)
+            with pytest.raises(TimeoutError):  # prepared, but nothing sent until there is a chunk
+                client.recv(65536)
+            client.settimeout(5)
+            first = client.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200 OK") and b"data: one" in first
+    finally:
+        server.stop()
 
 
 def test_the_tail_kept_of_a_stream_is_its_last_tail_bytes() -> None:
