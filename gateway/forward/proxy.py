@@ -126,9 +126,10 @@ async def _attempt(
     """One try on `replica` (and its prefill replica, when paired): its answer relayed, or _Retry."""
     decision = routed.decision
     uncached = max(decision.prompt_tokens - decision.view_of(replica.id).cached_tokens, 0)
-    recorded = routed.recorded_tick if replica.id == decision.order[0] else None
+    first = replica.id == decision.order[0]
+    recorded = routed.recorded_tick if first else None
     leg = prefill_leg(state, routed, replica)
-    leaving = routed.leaving if replica.id == decision.order[0] else None
+    leaving = routed.leaving if first else None
     if leg is not None and leaving is not None:
         leaving()  # a paired attempt waits for its prefill side before this request is written
         leaving = None

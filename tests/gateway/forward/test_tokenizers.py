@@ -135,3 +135,17 @@ def test_a_try_on_the_event_loop_that_gives_up_leaves_the_cache_as_it_was(
     before = dataclasses.replace(cache.stats)
     assert _inline(conversation(2), TOKENIZER, cache, Limits()) is None
     assert cache.stats == before
+
+
+def test_many_small_messages_past_the_allowance_in_all_go_to_the_thread_whole(
+    fresh: tuple[Tokenizers, PrefixCache],
+) -> None:
+    loaded, _ = fresh
+    # Each message far under INLINE_CHARS, together far over it, and nothing of them known: a client
+    # cannot keep the loop encoding by splitting its prompt.
+    messages = [{"role": "user" if n % 2 == 0 else "assistant", "content": f"m{n} " * 30} for n in range(60)]
+    view = RequestView("chat", messages=messages)
+    prompt = asyncio.run(loaded.prompt(view, MODEL, Limits()))
+    assert prompt is not None and prompt.ids == TOKENIZER.encode(TOKENIZER.render_chat(messages))
+    cache = loaded._caches[MODEL]
+    assert cache is not None and cache.stats.misses == 1 and cache.stats.hits == 0
