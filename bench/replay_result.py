@@ -61,6 +61,7 @@ class ReplayResult:
             "hit_rate": sum(r.cached_tokens for r in records) / prompt if prompt else 0.0,
             "requests_per_replica": dict(sorted(Counter(r.replica for r in records).items())),
             "moved_turns": moved_turns(records),
+            "hit_rate_by_turn": hit_rate_by_turn(records),
             "ttft_predicted": ttft_predicted(records),
             "throughput_req_s": self.completed / span,
             "output_tok_s": sum(r.output_tokens for r in records) / span,
@@ -75,6 +76,18 @@ def moved_turns(records: Sequence[RequestRecord]) -> float | None:
     served = {(r.session, r.turn): r.replica for r in records if r.session is not None}
     pairs = [(replica, served[s, k - 1]) for (s, k), replica in served.items() if (s, k - 1) in served]
     return sum(now != before for now, before in pairs) / len(pairs) if pairs else None
+
+
+def hit_rate_by_turn(records: Sequence[RequestRecord]) -> dict[int, float]:
+    """Cached over prompt tokens for each turn number of the sessions' requests: where a policy's
+    hits are won or lost (a first turn finds only its tenant's prompt; a later one, its history)."""
+    totals: dict[int, list[int]] = {}
+    for r in records:
+        if r.session is not None:
+            cached_prompt = totals.setdefault(r.turn, [0, 0])
+            cached_prompt[0] += r.cached_tokens
+            cached_prompt[1] += r.prompt_tokens
+    return {turn: cached / prompt for turn, (cached, prompt) in sorted(totals.items()) if prompt}
 
 
 def ttft_predicted(records: Sequence[RequestRecord]) -> float | None:

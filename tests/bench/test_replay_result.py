@@ -8,7 +8,14 @@ from dataclasses import replace
 
 import pytest
 
-from bench.replay_result import ReplayResult, RequestRecord, latency_stats, moved_turns, ttft_predicted
+from bench.replay_result import (
+    ReplayResult,
+    RequestRecord,
+    hit_rate_by_turn,
+    latency_stats,
+    moved_turns,
+    ttft_predicted,
+)
 
 
 def _record(session: int | None, turn: int, replica: str) -> RequestRecord:
@@ -29,6 +36,19 @@ def test_moved_turns_count_later_turns_served_elsewhere_than_the_turn_before() -
     assert moved_turns(list(reversed(records))) == pytest.approx(2 / 4)  # completion order is no matter
     assert moved_turns([_record(i, 0, f"w{i % 2}") for i in range(5)]) is None  # single turns
     assert moved_turns([_record(None, 0, "w0"), _record(None, 0, "w1")]) is None  # no sessions
+
+
+def test_hit_rate_by_turn_reads_each_turn_numbers_cached_over_prompt_tokens() -> None:
+    records = [
+        replace(_record(0, 0, "w0"), prompt_tokens=100, cached_tokens=50),
+        replace(_record(1, 0, "w1"), prompt_tokens=300, cached_tokens=50),
+        replace(_record(0, 1, "w0"), prompt_tokens=200, cached_tokens=150),
+        replace(_record(None, 5, "w0"), prompt_tokens=90, cached_tokens=90),  # no session: not a turn
+        replace(_record(1, 2, "w1"), prompt_tokens=0, cached_tokens=0),  # nothing to read a rate from
+    ]
+    assert hit_rate_by_turn(records) == pytest.approx({0: 100 / 400, 1: 150 / 200})
+    assert list(hit_rate_by_turn(list(reversed(records)))) == [0, 1]  # by turn, whatever the order
+    assert hit_rate_by_turn([]) == {}
 
 
 def test_the_predicted_ttft_is_read_against_the_ttft_seen() -> None:
@@ -57,6 +77,7 @@ def test_a_summary_reads_hits_against_prompt_tokens_and_rates_against_the_span()
     assert summary["hit_rate"] == pytest.approx(0.5)
     assert summary["requests_per_replica"] == {"w0": 1, "w1": 1}
     assert summary["moved_turns"] == 1.0 and summary["ttft_predicted"] is None
+    assert summary["hit_rate_by_turn"] == pytest.approx({0: 0.4, 1: 0.6})
     assert summary["ttft_s"]["mean"] == pytest.approx(0.2) and summary["itl_s"]["mean"] == pytest.approx(0.02)
     assert summary["throughput_req_s"] == pytest.approx(1.0) and summary["output_tok_s"] == pytest.approx(2.0)
     empty = ReplayResult("http://x", 0, 0.0).summary()
