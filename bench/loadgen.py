@@ -23,7 +23,7 @@ from bench.arrivals import Arrival, Prompt, arrival_sessions
 from bench.replay_result import ReplayResult, RequestRecord
 from bench.token_text import text_of
 from bench.workloads import Session, Turn, total_turns
-from gateway.forward.relay_headers import PREDICTED_TTFT_HEADER
+from gateway.forward.relay_headers import PREDICTED_CACHED_HEADER, PREDICTED_TTFT_HEADER
 from gateway.forward.upstream import UpstreamError, header_count
 from gateway.forward.upstream_client import UpstreamClient
 
@@ -90,6 +90,7 @@ async def _stream_one(
                 raise _Failed(f"http_{response.status}")
             replica = response.headers.get(replica_header, DIRECT)
             predicted = header_count(response.headers.get(PREDICTED_TTFT_HEADER))
+            predicted_cached = header_count(response.headers.get(PREDICTED_CACHED_HEADER))
             pending = b""
             while end is None and (chunk := await response.read_chunk()):
                 now = time.perf_counter()
@@ -126,6 +127,7 @@ async def _stream_one(
         output_tokens=int(usage.get("completion_tokens", len(chunk_times))),
         replica=replica,
         predicted_ttft_s=predicted / 1000 if predicted is not None else None,
+        predicted_cached_tokens=predicted_cached,
     )
 
 

@@ -1,7 +1,8 @@
 """What one replay measured: each streamed answer's timings and counts, and the summary a run reports
-(latency percentiles, hit rate, the replica spread, moved turns, the gateway's predicted TTFT
-against the one seen). A module of its own so that the load generator, the fleet comparison and the
-benches that read its results (overhead, soak, vllm) share it without importing one another."""
+(latency percentiles, hit rate, the replica spread, moved turns, the gateway's predicted TTFT and
+cached tokens against those seen). A module of its own so that the load generator, the fleet
+comparison and the benches that read its results (overhead, soak, vllm) share it without importing
+one another."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ class RequestRecord:
     turn: int = 0
     # The gateway's predicted wait for its first token there (None: not a prefixgate gateway's answer).
     predicted_ttft_s: float | None = None
+    # The prompt tokens the gateway's index expected the replica to hold (None: no gateway's answer).
+    predicted_cached_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -63,6 +66,7 @@ class ReplayResult:
             "moved_turns": moved_turns(records),
             "hit_rate_by_turn": hit_rate_by_turn(records),
             "ttft_predicted": ttft_predicted(records),
+            "cached_predicted": cached_predicted(records),
             "throughput_req_s": self.completed / span,
             "output_tok_s": sum(r.output_tokens for r in records) / span,
             "elapsed_s": self.elapsed_s,
@@ -97,6 +101,25 @@ def ttft_predicted(records: Sequence[RequestRecord]) -> float | None:
     pairs = [(r.predicted_ttft_s, r.ttft_s) for r in records if r.predicted_ttft_s is not None]
     observed = sum(seen for _, seen in pairs)
     return sum(p for p, _ in pairs) / observed if pairs and observed > 0 else None
+
+
+def cached_predicted(records: Sequence[RequestRecord]) -> dict[str, float | None] | None:
+    """The index checked against the replicas: the cached tokens it expected over those the replicas
+    reported (ratio), and the shares of requests where it expected fewer (under: the replica held
+    what the index had dropped) or more (over: it had evicted what the index still counted). An exact
+    index reads 1 / 0 / 0 where it and the replicas count the same tokens; None: no prediction (the
+    ratio alone: nothing reported cached)."""
+    pairs = [
+        (r.predicted_cached_tokens, r.cached_tokens) for r in records if r.predicted_cached_tokens is not None
+    ]
+    if not pairs:
+        return None
+    seen = sum(s for _, s in pairs)
+    return {
+        "ratio": sum(p for p, _ in pairs) / seen if seen else None,
+        "under": sum(p < s for p, s in pairs) / len(pairs),
+        "over": sum(p > s for p, s in pairs) / len(pairs),
+    }
 
 
 def latency_stats(values: Sequence[float]) -> dict[str, float | None]:

@@ -26,10 +26,8 @@ def fleet_tables(title: str, p: dict[str, Any]) -> str:
     for policy, r in p["policies"].items():
         latency = ["-" if r[key][s] is None else r[key][s] for _, key, s in _FLEET_COLUMNS]
         errors = ", ".join(f"{k}={v}" for k, v in r["errors"].items()) or "0"
-        moved = "-" if r["moved_turns"] is None else r["moved_turns"]
-        predicted = "-" if r["ttft_predicted"] is None else r["ttft_predicted"]
         rows.append(
-            [policy, *latency, r["hit_rate"], r["imbalance"], moved, predicted, r["completed"], errors]
+            [policy, *latency, r["hit_rate"], r["imbalance"], *model_cells(r), r["completed"], errors]
         )
         spread.append([policy, *(r["requests_per_replica"].get(w, 0) for w in replicas)])
     header = [
@@ -37,8 +35,7 @@ def fleet_tables(title: str, p: dict[str, Any]) -> str:
         *(c[0] for c in _FLEET_COLUMNS),
         "hit rate",
         "imbalance",
-        "moved turns",
-        "predicted/seen TTFT",
+        *MODEL_COLUMNS,
         "completed",
         "errors",
     ]
@@ -48,6 +45,24 @@ def fleet_tables(title: str, p: dict[str, Any]) -> str:
             format_table("requests per replica", ["policy", *replicas], spread),
         ]
     )
+
+
+# What the gateway's model is checked against, beside each row's latency (model_cells).
+MODEL_COLUMNS = ("moved turns", "predicted/seen TTFT", "predicted/seen cached (under / over)")
+
+
+def model_cells(r: dict[str, Any]) -> list[Any]:
+    """A summary's moved turns and the gateway's predictions against what was seen ("-": a peer router,
+    which predicts nothing, or nothing to read)."""
+    moved = "-" if r["moved_turns"] is None else r["moved_turns"]
+    ttft = "-" if r["ttft_predicted"] is None else r["ttft_predicted"]
+    cached = r["cached_predicted"]
+    if cached is None:
+        cache = "-"
+    else:
+        ratio = "-" if cached["ratio"] is None else f"{cached['ratio']:.2f}"
+        cache = f"{ratio} ({cached['under']:.0%} / {cached['over']:.0%})"
+    return [moved, ttft, cache]
 
 
 def plot_label(row: str) -> str:

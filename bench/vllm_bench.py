@@ -1,7 +1,8 @@
 """`prefixgate bench vllm`: the routers compared on real vLLM servers on this CPU.
 
 Two vLLM servers of SmolLM2-135M (bench.vllm_fleet: one core each, small prefix caches) are started
-once; each row puts one router in front of them and replays the same workload through it
+once and warmed by one replay through round robin that is dropped (the first row after a start runs
+slow); each row then puts one router in front of them and replays the same workload through it
 (bench.replay, prompts as words that vLLM and the routers tokenize themselves), the servers' prefix
 caches emptied before every row. The rows: prefixgate's prefix_aware in precise mode (following
 vLLM's KV events) and in approximate mode (predicting the caches from its own routing and vLLM's
@@ -44,6 +45,7 @@ from typing import Any
 from bench.loadgen import replay_sessions
 from bench.peers import peer_router
 from bench.replay_result import ReplayResult
+from bench.replay_tables import MODEL_COLUMNS, model_cells
 from bench.report import bar_panels, format_table, write_json
 from bench.token_text import text_of
 from bench.vllm_fleet import (
@@ -194,6 +196,20 @@ def _chosen(args: argparse.Namespace) -> tuple[list[str], list[Router]]:
     return workloads, [names[n] for n in wanted]
 
 
+# Replayed once before the rows, its result dropped: the first row after the servers start ran
+# 10-26 % slower than the next in five runs, whichever router it was (docs/benchmarks.md).
+WARM_UP = Router("warm-up: prefixgate round_robin", "round_robin")
+
+
+def warm_up(
+    servers: Sequence[VllmServer], spec: VllmSpec, workdir: Path, args: argparse.Namespace, workload: str
+) -> float:
+    """The first workload replayed through round robin and dropped; returns the seconds it took."""
+    start = time.monotonic()
+    run_row(WARM_UP, _sessions(workload, args.speed), servers, spec, workdir, args, WARM_UP.name)
+    return time.monotonic() - start
+
+
 def _sessions(name: str, speed: float) -> list[Session]:
     params = WORKLOADS[name]
     sessions = agent_sessions(params) if isinstance(params, AgentParams) else grouped_sessions(params)
@@ -209,6 +225,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.monotonic()
     with vllm_fleet(spec, workdir) as servers:
         print(f"bench vllm: {spec.count} vLLM servers up after {time.monotonic() - start:.0f} s", flush=True)
+        warm_up_s = warm_up(servers, spec, workdir, args, workloads[0])
         for workload in workloads:
             words = _sessions(workload, args.speed)
             ids = as_token_ids(words) if any(r.token_ids for r in routers) else words
@@ -227,6 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "workload_params": {w: _params(WORKLOADS[w]) for w in workloads},
         "results": results,
         "notes": {name: note for name, note in NOTES.items() if any(r.name == name for r in routers)},
+        "warm_up_s": warm_up_s,
         "elapsed_s": time.monotonic() - start,
     }
     for name, note in payload["notes"].items():
@@ -256,12 +274,20 @@ def _tables(workload: str, rows: dict[str, dict[str, Any]], server_ids: Sequence
     for name, r in rows.items():
         latency = ["-" if r[key][stat] is None else r[key][stat] for _, key, stat in _COLUMNS]
         errors = ", ".join(f"{k}={v}" for k, v in r["errors"].items()) or "0"
-        main.append([name, *latency, r["hit_rate"], r["imbalance"], r["completed"], errors])
+        main.append([name, *latency, r["hit_rate"], r["imbalance"], *model_cells(r), r["completed"], errors])
         servers = r["servers"]
         spread.append(
             [name, *(f"{servers[s]['requests']:.0f} ({servers[s]['hit_rate']:.0%})" for s in server_ids)]
         )
-    header = ["router", *(c[0] for c in _COLUMNS), "hit rate", "imbalance", "completed", "errors"]
+    header = [
+        "router",
+        *(c[0] for c in _COLUMNS),
+        "hit rate",
+        "imbalance",
+        *MODEL_COLUMNS,
+        "completed",
+        "errors",
+    ]
     return "\n\n".join(
         [
             format_table(f"bench vllm: {workload}", header, main),

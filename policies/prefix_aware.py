@@ -2,19 +2,22 @@
 (docs/design.md §5). The whole model:
 
     ttft(r) = (Q(r) + P - C(r)) / mu(r) + decode_penalty_s * running(r)
-    cost(r) = ttft(r) + recompute_penalty * (C* - C(r)) / mu(r)
+    cost(r) = ttft(r) + (recompute_penalty + waiting_weight * W) * (C* - C(r)) / mu(r)
 
 Q(r): prompt tokens queued ahead on r (its report, plus what the gateway sent it that has not yet
 produced a first token); P: this prompt's tokens; C(r): the tokens of it r holds (the index's match);
-mu(r): r's prefill rate, learned from observed TTFTs; C*: the most any replica holds. The request
-goes to the least cost.
+mu(r): r's prefill rate, learned from observed TTFTs; C*: the most any replica holds; W: the requests
+waiting for a first token across the fleet. The request goes to the least cost.
 
 ttft is the request's own wait. The second term is what the fleet pays later for a move: a replica
-that lacks a prefix another one holds recomputes it, taking that time from the requests queued
-behind it, and the history then lives in two caches. With recompute_penalty 1 (the default) a
-conversation's turn leaves the replica holding its history only when that replica is the slower choice
-by more than the recompute costs, twice the recompute in all; a new prefix (C* = 0) simply goes where
-it starts soonest, and a hot prefix spills once its holder's queue outgrows that margin.
+that lacks a prefix another one holds recomputes it, and the history then lives in two caches
+(recompute_penalty, 1: one recompute's worth), and the recompute's prefill time is taken from the
+requests waiting behind it, one more recompute's worth for each request waiting in the fleet
+(waiting_weight, 1): the fleet balances, so extra work on one replica pushes the next arrivals onto
+the others and delays every queue. On an idle fleet a conversation's turn leaves the replica holding
+its history only when that replica is slower by more than twice the recompute; as queues build, the
+weight grows with them and sessions stay where their history is. A new prefix (C* = 0) simply goes
+where it starts soonest, and a hot prefix spills once its holder's queue outgrows the margin.
 
 Nothing else weighs in: among equal costs (an idle fleet, new prefixes on empty queues) the fewest
 outstanding requests win, then the emptiest cache (a new prefix evicts least there and caches fill
@@ -46,8 +49,11 @@ class PrefixAwareConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     # precise: the index follows workers' KV events; approximate: it predicts from routing decisions.
     mode: Literal["precise", "approximate"] = "precise"
-    # Weight of the fleet's cost of recomputing a prefix another replica holds (0: ttft alone).
+    # Weight of the fleet's cost of recomputing a prefix another replica holds, with no request
+    # waiting (0 here and below: ttft alone).
     recompute_penalty: float = Field(1.0, ge=0.0, le=100.0)
+    # What each request waiting in the fleet adds to that weight: each is delayed by the recompute.
+    waiting_weight: float = Field(1.0, ge=0.0, le=100.0)
     # Seconds per sequence a replica runs: what its decode steps add to a new prefill's wait.
     decode_penalty_s: float = Field(0.0, ge=0.0, le=10.0)
     # In seconds: 0 picks the least cost; above 0 samples the first pick with weight
@@ -67,10 +73,14 @@ class PrefixAware:
     def est_ttft(self, request: RouteRequest, replica: ReplicaView) -> float:
         return prefill_wait_s(request.prompt_tokens, replica) + self.config.decode_penalty_s * replica.running
 
-    def cost(self, request: RouteRequest, replica: ReplicaView, best_cached: int) -> float:
-        """est_ttft plus the weighted prefill time of the cached tokens this replica would redo."""
+    def recompute_weight(self, fleet_waiting: int) -> float:
+        """How many recomputes' worth the fleet pays for one, with `fleet_waiting` requests waiting."""
+        return self.config.recompute_penalty + self.config.waiting_weight * fleet_waiting
+
+    def cost(self, request: RouteRequest, replica: ReplicaView, best_cached: int, weight: float) -> float:
+        """est_ttft plus the prefill time of the cached tokens this replica would redo, `weight` times."""
         redo = best_cached - min(replica.cached_tokens, request.prompt_tokens)
-        return self.est_ttft(request, replica) + self.config.recompute_penalty * redo / replica.prefill_rate
+        return self.est_ttft(request, replica) + weight * redo / replica.prefill_rate
 
     @staticmethod
     def saturated(replica: ReplicaView) -> bool:
@@ -84,9 +94,10 @@ class PrefixAware:
         if not candidates:
             return []
         best_cached = min(max(r.cached_tokens for r in candidates), request.prompt_tokens)
+        weight = self.recompute_weight(sum(r.waiting for r in candidates))
         rows = sorted(
             (
-                (self.saturated(r), self.cost(request, r, best_cached), r.load, r.cached_blocks, r.id)
+                (self.saturated(r), self.cost(request, r, best_cached, weight), r.load, r.cached_blocks, r.id)
                 for r in candidates
             ),
             key=lambda row: row[:4],

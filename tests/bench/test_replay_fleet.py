@@ -101,7 +101,9 @@ def test_sim_fleet_compares_the_gateway_with_a_peer_router_over_word_counting_wo
     assert rows["round_robin"]["moved_turns"] > 0.15  # alternating replicas: about every other turn moves
     # The gateway's predictions come back with its answers; the peer makes none.
     assert rows["prefix_aware approx cap absent"]["ttft_predicted"] > 0
+    assert rows["prefix_aware approx cap absent"]["cached_predicted"]["ratio"] > 0
     assert rows["sglang cache_aware"]["ttft_predicted"] is None
+    assert rows["sglang cache_aware"]["cached_predicted"] is None
 
 
 def test_imbalance_counts_idle_replicas_in_the_mean() -> None:

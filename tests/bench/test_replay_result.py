@@ -11,6 +11,7 @@ import pytest
 from bench.replay_result import (
     ReplayResult,
     RequestRecord,
+    cached_predicted,
     hit_rate_by_turn,
     latency_stats,
     moved_turns,
@@ -61,6 +62,18 @@ def test_the_predicted_ttft_is_read_against_the_ttft_seen() -> None:
     assert ttft_predicted([_record(0, 0, "w0")]) is None
 
 
+def test_the_predicted_cached_tokens_are_read_against_those_reported() -> None:
+    seen = [
+        replace(_record(0, k, "w0"), cached_tokens=c, predicted_cached_tokens=p)
+        for k, (c, p) in enumerate([(100, 100), (100, 60), (0, 40), (200, 200)])
+    ]
+    assert cached_predicted(seen) == pytest.approx({"ratio": 400 / 400, "under": 0.25, "over": 0.25})
+    exact = [seen[0], seen[3], _record(0, 9, "w1")]  # no prediction: not counted
+    assert cached_predicted(exact) == pytest.approx({"ratio": 1.0, "under": 0.0, "over": 0.0})
+    assert cached_predicted([seen[2]]) == {"ratio": None, "under": 0.0, "over": 1.0}  # nothing reported
+    assert cached_predicted([_record(0, 0, "w0")]) is None
+
+
 def test_latency_stats_are_none_when_nothing_was_measured() -> None:
     assert latency_stats([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
     stats = latency_stats([float(v) for v in range(1, 101)])
@@ -77,6 +90,7 @@ def test_a_summary_reads_hits_against_prompt_tokens_and_rates_against_the_span()
     assert summary["hit_rate"] == pytest.approx(0.5)
     assert summary["requests_per_replica"] == {"w0": 1, "w1": 1}
     assert summary["moved_turns"] == 1.0 and summary["ttft_predicted"] is None
+    assert summary["cached_predicted"] is None
     assert summary["hit_rate_by_turn"] == pytest.approx({0: 0.4, 1: 0.6})
     assert summary["ttft_s"]["mean"] == pytest.approx(0.2) and summary["itl_s"]["mean"] == pytest.approx(0.02)
     assert summary["throughput_req_s"] == pytest.approx(1.0) and summary["output_tok_s"] == pytest.approx(2.0)

@@ -18,6 +18,7 @@ def _row(ttft_s: float | None, moved: float | None, replicas: dict[str, int]) ->
         "errors": {} if replicas else {"connect": 2},
         "moved_turns": moved,
         "ttft_predicted": 0.5 if replicas else None,
+        "cached_predicted": {"ratio": 1.25, "under": 0.1, "over": 0.4} if replicas else None,
         "hit_rate": 0.5,
         "imbalance": 1.0,
         "completed": sum(replicas.values()),
@@ -41,11 +42,17 @@ def _cells(line: str) -> list[str]:
 def test_fleet_tables_put_a_row_per_policy_and_every_worker_in_the_spread() -> None:
     rows, spread = (t.splitlines() for t in fleet_tables("title", FLEET).split("\n\n"))
     assert rows[0] == "title"
-    assert _cells(rows[1])[-4:] == ["moved turns", "predicted/seen TTFT", "completed", "errors"]
-    measured = ["0.5", "1", "0.1", "0.5", "6", "0"]
+    assert _cells(rows[1])[-5:] == [
+        "moved turns",
+        "predicted/seen TTFT",
+        "predicted/seen cached (under / over)",
+        "completed",
+        "errors",
+    ]
+    measured = ["0.5", "1", "0.1", "0.5", "1.25 (10% / 40%)", "6", "0"]
     assert _cells(rows[3]) == ["prefix_aware approx cap x16", *["0.25"] * 5, *measured]
     # Nothing measured reads as a dash, not as an instant zero.
-    assert _cells(rows[4]) == ["round_robin", *["-"] * 5, "0.5", "1", "-", "-", "0", "connect=2"]
+    assert _cells(rows[4]) == ["round_robin", *["-"] * 5, "0.5", "1", "-", "-", "-", "0", "connect=2"]
     assert _cells(spread[1]) == ["policy", "w0", "w1", "w2"]
     assert _cells(spread[3]) == ["prefix_aware approx cap x16", "4", "0", "2"]
 

@@ -36,7 +36,15 @@ def test_cost_adds_the_recompute_of_what_the_best_holder_has() -> None:
     request = RouteRequest(prompt_tokens=1000)
     lacking = ReplicaView(id="b", matched_blocks=10, queued_prefill_tokens=200, prefill_rate=1000.0)
     # own: (200 + 1000 - 160) / 1000; the fleet's: 2 x (800 - 160) / 1000
-    assert policy.cost(request, lacking, best_cached=800) == pytest.approx(1.04 + 1.28)
+    assert policy.cost(request, lacking, best_cached=800, weight=2.0) == pytest.approx(1.04 + 1.28)
+
+
+def test_each_request_waiting_in_the_fleet_adds_a_recompute_to_the_weight() -> None:
+    assert PrefixAware().recompute_weight(0) == 1.0
+    assert PrefixAware().recompute_weight(5) == 6.0
+    config = PrefixAwareConfig(recompute_penalty=0.5, waiting_weight=0.25)
+    assert PrefixAware(config).recompute_weight(4) == pytest.approx(1.5)
+    assert PrefixAware(PrefixAwareConfig(waiting_weight=0.0)).recompute_weight(9) == 1.0
 
 
 @pytest.mark.parametrize("penalty", [0.0, 1.0, 3.0])
@@ -53,6 +61,27 @@ def test_a_turn_leaves_its_history_only_when_the_holder_is_slower_by_more_than_t
     idle = ReplicaView(id="idle")
     assert policy.choose(request, [below, idle])[0] == "holder"
     assert policy.choose(request, [above, idle])[0] == "idle"
+
+
+@pytest.mark.parametrize("waiting", [1, 4])
+def test_a_busier_fleet_keeps_a_turn_with_its_history_longer(waiting: int) -> None:
+    """The same turn with `waiting` requests queued on a third replica: the holder keeps it until its
+    queue costs more than (2 + waiting) recomputes, and with waiting_weight 0 only until 2."""
+    request = RouteRequest(prompt_tokens=2000)
+    busy = ReplicaView(id="busy", waiting=waiting, queued_prefill_tokens=100_000)
+    margin = (2 + waiting) * 1600
+    holder = ReplicaView(id="holder", matched_blocks=100, queued_prefill_tokens=margin - 1)
+    idle = ReplicaView(id="idle")
+    assert PrefixAware().choose(request, [holder, idle, busy])[0] == "holder"
+    assert (
+        PrefixAware().choose(request, [replace(holder, queued_prefill_tokens=margin + 1), idle, busy])[0]
+        == "idle"
+    )
+    constant = PrefixAware(PrefixAwareConfig(waiting_weight=0.0))
+    assert (
+        constant.choose(request, [replace(holder, queued_prefill_tokens=2 * 1600 + 1), idle, busy])[0]
+        == "idle"
+    )
 
 
 def test_a_new_prefix_goes_where_it_starts_soonest() -> None:
