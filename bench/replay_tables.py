@@ -22,26 +22,14 @@ def fleet_tables(title: str, p: dict[str, Any]) -> str:
     """The fleet comparison's rows side by side, then how each spread its requests over the workers
     (all of them, those that got none included)."""
     replicas = [f"w{i}" for i in range(p["sim_fleet"]["count"])]
-    rows, spread = [], []
-    for policy, r in p["policies"].items():
-        latency = ["-" if r[key][s] is None else r[key][s] for _, key, s in _FLEET_COLUMNS]
-        errors = ", ".join(f"{k}={v}" for k, v in r["errors"].items()) or "0"
-        rows.append(
-            [policy, *latency, r["hit_rate"], r["imbalance"], *model_cells(r), r["completed"], errors]
-        )
-        spread.append([policy, *(r["requests_per_replica"].get(w, 0) for w in replicas)])
-    header = [
-        "policy",
-        *(c[0] for c in _FLEET_COLUMNS),
-        "hit rate",
-        "imbalance",
-        *MODEL_COLUMNS,
-        "completed",
-        "errors",
+    rows = [[policy, *comparison_cells(r)] for policy, r in p["policies"].items()]
+    spread = [
+        [policy, *(r["requests_per_replica"].get(w, 0) for w in replicas)]
+        for policy, r in p["policies"].items()
     ]
     return "\n\n".join(
         [
-            format_table(title, header, rows),
+            format_table(title, ["policy", *COMPARISON_COLUMNS], rows),
             format_table("requests per replica", ["policy", *replicas], spread),
         ]
     )
@@ -49,6 +37,22 @@ def fleet_tables(title: str, p: dict[str, Any]) -> str:
 
 # What the gateway's model is checked against, beside each row's latency (model_cells).
 MODEL_COLUMNS = ("moved turns", "predicted/seen TTFT", "predicted/seen cached (under / over)")
+# A comparison row's columns after its name: in `bench replay --sim-fleet` and in `bench vllm`.
+COMPARISON_COLUMNS = (
+    *(c[0] for c in _FLEET_COLUMNS),
+    "hit rate",
+    "imbalance",
+    *MODEL_COLUMNS,
+    "completed",
+    "errors",
+)
+
+
+def comparison_cells(r: dict[str, Any]) -> list[Any]:
+    """A router's summary as the cells of COMPARISON_COLUMNS ("-": not measured, never an instant 0)."""
+    latency = ["-" if r[key][s] is None else r[key][s] for _, key, s in _FLEET_COLUMNS]
+    errors = ", ".join(f"{k}={v}" for k, v in r["errors"].items()) or "0"
+    return [*latency, r["hit_rate"], r["imbalance"], *model_cells(r), r["completed"], errors]
 
 
 def model_cells(r: dict[str, Any]) -> list[Any]:

@@ -45,7 +45,7 @@ from typing import Any
 from bench.loadgen import replay_sessions
 from bench.peers import peer_router
 from bench.replay_result import ReplayResult
-from bench.replay_tables import MODEL_COLUMNS, model_cells
+from bench.replay_tables import COMPARISON_COLUMNS, comparison_cells
 from bench.report import bar_panels, format_table, write_json
 from bench.token_text import text_of
 from bench.vllm_fleet import (
@@ -260,37 +260,18 @@ def _params(params: AgentParams | GroupedParams) -> dict[str, Any]:
     return {field: getattr(params, field) for field in params.__dataclass_fields__}
 
 
-_COLUMNS = (
-    ("TTFT mean s", "ttft_s", "mean"),
-    ("TTFT p50 s", "ttft_s", "p50"),
-    ("TTFT p99 s", "ttft_s", "p99"),
-    ("E2E p50 s", "e2e_s", "p50"),
-    ("E2E p99 s", "e2e_s", "p99"),
-)
-
-
 def _tables(workload: str, rows: dict[str, dict[str, Any]], server_ids: Sequence[str]) -> str:
-    main, spread = [], []
-    for name, r in rows.items():
-        latency = ["-" if r[key][stat] is None else r[key][stat] for _, key, stat in _COLUMNS]
-        errors = ", ".join(f"{k}={v}" for k, v in r["errors"].items()) or "0"
-        main.append([name, *latency, r["hit_rate"], r["imbalance"], *model_cells(r), r["completed"], errors])
-        servers = r["servers"]
-        spread.append(
-            [name, *(f"{servers[s]['requests']:.0f} ({servers[s]['hit_rate']:.0%})" for s in server_ids)]
-        )
-    header = [
-        "router",
-        *(c[0] for c in _COLUMNS),
-        "hit rate",
-        "imbalance",
-        *MODEL_COLUMNS,
-        "completed",
-        "errors",
+    main = [[name, *comparison_cells(r)] for name, r in rows.items()]
+    spread = [
+        [
+            name,
+            *(f"{r['servers'][s]['requests']:.0f} ({r['servers'][s]['hit_rate']:.0%})" for s in server_ids),
+        ]
+        for name, r in rows.items()
     ]
     return "\n\n".join(
         [
-            format_table(f"bench vllm: {workload}", header, main),
+            format_table(f"bench vllm: {workload}", ["router", *COMPARISON_COLUMNS], main),
             format_table("requests per server (its prefix-cache hit rate), from vLLM's /metrics",
                          ["router", *server_ids], spread),
         ]
