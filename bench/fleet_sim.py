@@ -163,7 +163,7 @@ def simulate(
                 held = r.requests.pop(seq.seq_id)
                 if held.hashes is not None:
                     if precise:
-                        index.settle(r.id, held.hashes)
+                        index.unpin(r.id, held.hashes)
                     else:
                         # As the gateway's Predictions.released: its blocks are the replica's most recent.
                         index.insert(r.id, held.hashes, expires_at=now + prediction_ttl_s)
@@ -210,13 +210,15 @@ def simulate(
             moved += last_replica.get(session) != chosen.id
         last_replica[session] = chosen.id
         if hashes:
-            # Approximate: predicted until its TTL; precise: in flight until settled at its end.
+            # Approximate: predicted until its TTL; precise: pinned until the request ends.
             held.hashes = hashes
-            if not precise:
+            if precise:
+                index.pin(chosen.id, hashes)
+            else:
                 horizon = pending_horizon(chosen.requests.values())
                 held.predicted = index.predicted(chosen.id, hashes, horizon)
                 held.recorded_tick = index.tick_now(chosen.id)
-            index.insert(chosen.id, hashes, expires_at=now + prediction_ttl_s)
+                index.insert(chosen.id, hashes, expires_at=now + prediction_ttl_s)
         if idle:
             heapq.heappush(busy, (chosen.clock.now(), fleet.index(chosen)))
     end = max(r.clock.now() for r in fleet)

@@ -178,7 +178,7 @@ async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "def
             hashes = decision.hashes[BLOCK_SIZE]
             start = time.perf_counter()
             expectation = expect(index, chosen, hashes, precise=False)
-            record(index, predictions, expectation, now=time.time(), request_timeout_s=600)
+            record(index, predictions, expectation, now=time.time())
             recorded = time.perf_counter()
             predictions.released(chosen.id, hashes)
             released = time.perf_counter()

@@ -8,7 +8,9 @@ costs one dict lookup and two integer operations per matched block whatever the 
 Each replica also keeps its blocks in LRU order, for the two places that need to forget: a capacity
 bound per replica (approximate mode, where the gateway predicts a foreign backend's cache and has
 no eviction events to follow) and a global bound on entries that caps the gateway's memory.
-Predicted entries can expire; exact entries (from KV events) live until removed.
+Predicted entries can expire; exact entries (from KV events) live until removed. A prompt in flight
+to an exact replica is pinned there until its request ends: the replica computes it before it
+answers, whatever its events say meanwhile (an older copy evicted while the request queues).
 
 A predicted replica's capacity bound is learned from what the replica reports it reused: the
 model and its evidence are radix.capacity's; the LRU it acts on is this index's.
@@ -36,6 +38,8 @@ class _Replica:
     blocks: OrderedDict[int, float] = field(default_factory=OrderedDict)
     # Learning replicas only (approximate mode): the evidence their capacity bound is learned from.
     learner: Learner | None = None
+    # Blocks of prompts in flight to it (hash -> requests): held whatever its events say until unpinned.
+    pinned: dict[int, int] = field(default_factory=dict)
 
 
 class RadixIndex:
@@ -80,23 +84,22 @@ class RadixIndex:
         self._replicas[replica] = state
 
     def drop_replica(self, replica: str) -> None:
-        """Forget a replica and everything it held."""
+        """Forget a replica and everything it held or had pinned (its bit goes to the next replica)."""
         self.clear(replica)
         state = self._replicas.pop(replica)
+        pinned = list(state.pinned)
+        state.pinned.clear()
+        for h in pinned:
+            self._release(h, state)
         self._names[state.bit] = None
         self._free_bits.append(state.bit)
 
     def clear(self, replica: str) -> None:
-        """The replica's cache was flushed or it restarted: it holds nothing now."""
+        """The replica's cache was flushed or it restarted: it holds nothing now but the prompts still in
+        flight to it, which it will compute again."""
         state = self._state(replica)
-        mask = ~(1 << state.bit)
-        holders = self._holders
         for h, expiry in state.blocks.items():
-            rest = holders[h] & mask
-            if rest:
-                holders[h] = rest
-            else:
-                del holders[h]
+            self._release(h, state)
             if expiry != NEVER:
                 self._timed -= 1
         self._entries -= len(state.blocks)
@@ -166,8 +169,7 @@ class RadixIndex:
         """A `removed` event: the replica evicted these blocks. Unknown hashes are ignored."""
         state = self._state(replica)
         pop = state.blocks.pop
-        holders = self._holders
-        keep = ~(1 << state.bit)
+        release = self._release
         removed = timed = 0
         ticks = state.learner.ticks if state.learner is not None else None
         try:
@@ -177,11 +179,7 @@ class RadixIndex:
                     continue
                 if ticks is not None:
                     del ticks[h]
-                rest = holders[h] & keep
-                if rest:
-                    holders[h] = rest
-                else:
-                    del holders[h]
+                release(h, state)
                 removed += 1
                 if expiry != NEVER:
                     timed += 1
@@ -190,21 +188,32 @@ class RadixIndex:
             self._entries -= removed
             self._timed -= timed
 
-    def settle(self, replica: str, hashes: Iterable[int]) -> None:
-        """A request that was recorded on an exact replica as in flight (timed entries, until its KV
-        events confirm them) has ended: what its events did not confirm, the replica does not hold.
-        A replica no longer in the index is ignored."""
+    def pin(self, replica: str, hashes: Iterable[int]) -> None:
+        """A request was sent to an exact replica: its prompt's blocks count as held there until it ends
+        (unpin), since the replica computes them before it answers. Until then a `removed` event for them
+        only says that an older copy went, and requests sharing the prompt still follow it there."""
+        state = self._state(replica)
+        pinned, holders = state.pinned, self._holders
+        bit = 1 << state.bit
+        for h in hashes:
+            pinned[h] = pinned.get(h, 0) + 1
+            holders[h] = holders.get(h, 0) | bit
+
+    def unpin(self, replica: str, hashes: Iterable[int]) -> None:
+        """The request pinned with these blocks ended: what the replica's events did not store, it does
+        not hold. A replica no longer in the index is ignored."""
         state = self._replicas.get(replica)
         if state is None:
             return
-        blocks = state.blocks
+        pinned = state.pinned
         for h in hashes:
-            expiry = blocks.get(h)
-            if expiry is not None and expiry != NEVER:
-                del blocks[h]
-                if state.learner is not None:
-                    del state.learner.ticks[h]
-                self._forget(h, state.bit, expiry)
+            count = pinned.get(h, 0)
+            if count > 1:
+                pinned[h] = count - 1
+            elif count == 1:
+                del pinned[h]
+                if h not in state.blocks:
+                    self._release(h, state)
 
     def expire(self, now: float) -> int:
         """Drop predicted entries whose expiry is at or before `now`; returns how many."""
@@ -228,7 +237,7 @@ class RadixIndex:
                 del blocks[h]
                 if state.learner is not None:
                     del state.learner.ticks[h]
-                self._forget(h, state.bit, expiry)
+                self._forget(h, state, expiry)
                 dropped += 1
             for expiry, kept in later.items():
                 self._push_deadline(expiry, replica, kept)
@@ -386,22 +395,30 @@ class RadixIndex:
     def _evict_oldest(self, replica: str, state: _Replica, ghost: bool = True) -> None:
         """Drop the least recently used block; a learning replica's capacity bound remembers it."""
         h, expiry = state.blocks.popitem(last=False)
-        self._forget(h, state.bit, expiry)
+        self._forget(h, state, expiry)
         learner = state.learner
         if learner is not None:
             del learner.ticks[h]
             if ghost:
                 learner.evicted(h, state.capacity)
 
-    def _forget(self, h: int, bit: int, expiry: float) -> None:
-        rest = self._holders[h] & ~(1 << bit)
+    def _forget(self, h: int, state: _Replica, expiry: float) -> None:
+        """An entry left `state.blocks`: counted out, and its holder bit cleared unless pinned."""
+        self._release(h, state)
+        self._entries -= 1
+        if expiry != NEVER:
+            self._timed -= 1
+
+    def _release(self, h: int, state: _Replica) -> None:
+        """The replica no longer holds `h` in its blocks: clear its holder bit, unless a request in
+        flight still pins it there."""
+        if h in state.pinned:
+            return
+        rest = self._holders[h] & ~(1 << state.bit)
         if rest:
             self._holders[h] = rest
         else:
             del self._holders[h]
-        self._entries -= 1
-        if expiry != NEVER:
-            self._timed -= 1
 
     def _compact_deadlines(self) -> None:
         """Rebuild the deadline heap from live entries, a row per replica and expiry, when stale

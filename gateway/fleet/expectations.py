@@ -5,8 +5,8 @@ sharing its prefix follows it.
 A predicted replica (approximate mode) gets a prediction with a TTL, and what it was predicted to hold
 before, which the reuse it reports is checked against (Predictions.learn). An exact replica holds the
 prompt once it has computed it, which its events will say; a request sent there meanwhile waits for
-that prefill anyway and then reuses it, so until this request ends its prompt counts as held there
-(RadixIndex.settle).
+that prefill anyway and then reuses it, so until this request ends its prompt is pinned there
+(RadixIndex.pin), whatever the events say of an older copy meanwhile.
 
 Reading what was held before (expect) and recording (record) are two steps so that the record, a
 walk over every block of the prompt, is made once the request is written upstream (the proxy) rather
@@ -38,7 +38,7 @@ class Expectation:
 
     @property
     def in_flight(self) -> tuple[str, Sequence[int]] | None:
-        """Exact replicas, once recorded: the replica and the hashes held for the request's lifetime."""
+        """Exact replicas, once recorded: the replica and the hashes pinned for the request's lifetime."""
         return (self.replica, self.hashes) if self.precise and self.recorded else None
 
 
@@ -56,20 +56,13 @@ def expect(index: RadixIndex, chosen: Replica, hashes: Sequence[int], *, precise
     return Expectation(chosen.id, hashes, predicted=predicted, recorded_tick=index.tick_now(chosen.id))
 
 
-def record(
-    index: RadixIndex,
-    predictions: Predictions,
-    expectation: Expectation,
-    *,
-    now: float,
-    request_timeout_s: float,
-) -> None:
+def record(index: RadixIndex, predictions: Predictions, expectation: Expectation, *, now: float) -> None:
     """Record the expectation in the index (a prediction is shared too), once: later calls do nothing."""
     if expectation.recorded or not expectation.hashes:
         return
     expectation.recorded = True
     if expectation.precise:
-        index.insert(expectation.replica, expectation.hashes, expires_at=now + request_timeout_s)
+        index.pin(expectation.replica, expectation.hashes)
     else:
         predictions.record(expectation.replica, expectation.hashes, now)
 
@@ -77,4 +70,4 @@ def record(
 def settle(index: RadixIndex, expectation: Expectation) -> None:
     """The request ended: what an exact replica holds is its events' to say again."""
     if expectation.in_flight is not None:
-        index.settle(*expectation.in_flight)
+        index.unpin(*expectation.in_flight)

@@ -98,10 +98,4 @@ def expect_first(state: GatewayState, route: Route, decision: Decision) -> Expec
 
 def record_first(state: GatewayState, expectation: Expectation) -> None:
     """Record what the first choice is expected to hold, once (gateway.fleet.expectations)."""
-    record(
-        state.index,
-        state.predictions,
-        expectation,
-        now=time.time(),
-        request_timeout_s=state.config.limits.request_timeout_s,
-    )
+    record(state.index, state.predictions, expectation, now=time.time())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 from hypothesis import settings
@@ -13,11 +14,13 @@ from radix.index import NEVER, RadixIndex
 
 
 class Reference:
-    """Per replica, an ordered list of (hash, expiry), least recently used first; everything is a scan."""
+    """Per replica, an ordered list of (hash, expiry), least recently used first, and the requests in
+    flight pinning each hash; everything is a scan."""
 
     def __init__(self, max_entries: int | None) -> None:
         self.max_entries = max_entries
         self.replicas: dict[str, tuple[int | None, list[list]]] = {}
+        self.pins: dict[str, Counter[int]] = {}
 
     def total(self) -> int:
         return sum(len(blocks) for _, blocks in self.replicas.values())
@@ -40,7 +43,7 @@ class Reference:
     def match(self, hashes: list[int]) -> dict[str, int]:
         out = {}
         for rid, (_, blocks) in self.replicas.items():
-            held = {r[0] for r in blocks}
+            held = {r[0] for r in blocks} | set(self.pins[rid])
             depth = 0
             while depth < len(hashes) and hashes[depth] in held:
                 depth += 1
@@ -69,6 +72,22 @@ class IndexMachine(RuleBasedStateMachine):
             return
         self.index.add_replica(rid, capacity)
         self.ref.replicas[rid] = (capacity, [])
+        self.ref.pins[rid] = Counter()
+
+    @precondition(lambda self: self.ref.replicas)
+    @rule(data=st.data(), hashes=st.lists(hash_ids, max_size=5, unique=True))
+    def pin(self, data: st.DataObject, hashes: list[int]) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.ref.replicas)))
+        self.index.pin(rid, hashes)
+        self.ref.pins[rid].update(hashes)
+
+    @precondition(lambda self: self.ref.replicas)
+    @rule(data=st.data(), hashes=st.lists(hash_ids, max_size=5, unique=True))
+    def unpin(self, data: st.DataObject, hashes: list[int]) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.ref.replicas)))
+        self.index.unpin(rid, hashes)
+        self.ref.pins[rid].subtract(hashes)
+        self.ref.pins[rid] = +self.ref.pins[rid]
 
     @precondition(lambda self: self.ref.replicas)
     @rule(data=st.data(), hashes=chains, ttl=st.one_of(st.none(), st.integers(1, 5)))
@@ -99,6 +118,7 @@ class IndexMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.ref.replicas)))
         self.index.drop_replica(rid)
         del self.ref.replicas[rid]
+        del self.ref.pins[rid]
 
     @rule(step=st.integers(0, 3))
     def advance_clock(self, step: int) -> None:
@@ -186,18 +206,50 @@ def test_predictions_expire_exact_entries_do_not() -> None:
     assert index.expire(math.inf) == 0
 
 
-def test_settling_an_in_flight_prompt_keeps_what_events_confirmed() -> None:
-    """An exact replica's prompt in flight is held as timed entries; its stored events make the blocks
-    it computed exact, and when the request ends the rest go."""
+def test_unpinning_a_prompt_in_flight_keeps_what_events_stored() -> None:
+    """An exact replica's prompt in flight is pinned; its stored events add the blocks it computed, and
+    when the request ends the rest go."""
     index = RadixIndex()
     index.add_replica("a")
-    index.insert("a", [1, 2, 3], expires_at=100.0)
-    assert index.match([1, 2, 3]) == {"a": 3}
+    index.pin("a", [1, 2, 3])
+    assert index.match([1, 2, 3]) == {"a": 3} and len(index) == 0
     index.insert("a", [1, 2])  # the stored event, for the blocks it computed
-    index.settle("a", [1, 2, 3])
+    index.unpin("a", [1, 2, 3])
     assert index.match([1, 2, 3]) == {"a": 2}
     assert len(index) == 2 and index.expire(math.inf) == 0
-    index.settle("gone", [1])  # a replica removed meanwhile: nothing to do
+    index.unpin("gone", [1])  # a replica removed meanwhile: nothing to do
+
+
+def test_a_pinned_block_outlives_removed_events_and_other_requests_ending() -> None:
+    """Two requests in flight share a prefix the replica also holds from before: an eviction of the old
+    copy and the first request's end leave it held for the second; only the last end releases it."""
+    index = RadixIndex()
+    index.add_replica("a")
+    index.add_replica("b")
+    index.insert("a", [1, 2])
+    index.insert("b", [1])
+    index.pin("a", [1, 2])
+    index.pin("a", [1, 2])
+    index.remove("a", [1, 2])
+    index.clear("a")
+    assert index.match([1, 2]) == {"a": 2, "b": 1} and index.blocks_of("a") == 0
+    index.unpin("a", [1, 2])
+    assert index.match([1, 2]) == {"a": 2, "b": 1}
+    index.unpin("a", [1, 2])
+    assert index.match([1, 2]) == {"b": 1}
+    index.unpin("a", [1, 2])  # more unpins than pins: nothing left to release
+    assert index.match([1, 2]) == {"b": 1}
+
+
+def test_dropping_a_replica_releases_its_pins_before_its_bit_is_reused() -> None:
+    index = RadixIndex()
+    index.add_replica("a")
+    index.pin("a", [1, 2])
+    index.drop_replica("a")
+    index.add_replica("c")  # takes a's bit
+    assert index.match([1, 2]) == {}
+    index.unpin("a", [1, 2])
+    assert index.match([1, 2]) == {}
 
 
 def test_refreshed_prediction_lives_to_its_new_expiry() -> None:

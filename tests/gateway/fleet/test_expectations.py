@@ -20,7 +20,7 @@ def test_a_predicted_replica_is_predicted_to_hold_the_prompt_for_the_ttl() -> No
     assert expectation.predicted is not None and expectation.recorded_tick is not None
     assert index.match(HASHES)["p"] == 1 and predictions.stats.recorded == 0
     for _ in range(2):  # once only
-        record(index, predictions, expectation, now=1000.0, request_timeout_s=5)
+        record(index, predictions, expectation, now=1000.0)
     assert expectation.in_flight is None and predictions.stats.recorded == 1
     assert index.match(HASHES)["p"] == 3
     settle(index, expectation)
@@ -33,7 +33,7 @@ def test_an_exact_replica_holds_the_prompt_only_while_the_request_runs() -> None
     predictions = Predictions(index, ttl_s=30.0)
     expectation = expect(index, replica("e"), HASHES, precise=True)
     assert expectation.in_flight is None and index.match(HASHES).get("e", 0) == 0
-    record(index, predictions, expectation, now=1000.0, request_timeout_s=5)
+    record(index, predictions, expectation, now=1000.0)
     assert expectation.in_flight == ("e", HASHES) and expectation.predicted is None
     assert index.match(HASHES)["e"] == 3 and predictions.stats.recorded == 0
     settle(index, expectation)
@@ -43,14 +43,29 @@ def test_an_exact_replica_holds_the_prompt_only_while_the_request_runs() -> None
 def test_an_expectation_never_recorded_settles_nothing() -> None:
     index = RadixIndex()
     index.add_replica("e")
-    index.insert("e", HASHES, expires_at=2000.0)  # another request's, in flight
+    index.pin("e", HASHES)  # another request's, in flight
     settle(index, expect(index, replica("e"), HASHES, precise=True))
     assert index.match(HASHES)["e"] == 3
+
+
+def test_an_exact_replica_evicting_an_older_copy_still_holds_a_prompt_in_flight() -> None:
+    """vLLM evicts a cached prefix while a request that will compute it again waits in its queue: the
+    removed event must not send the requests sharing that prefix elsewhere in the meantime."""
+    index = RadixIndex()
+    index.add_replica("e")
+    index.insert("e", HASHES)  # stored events: an older request's copy
+    expectation = expect(index, replica("e"), HASHES, precise=True)
+    record(index, Predictions(index, ttl_s=30.0), expectation, now=1000.0)
+    index.remove("e", HASHES)  # the older copy evicted while this request queues
+    assert index.match(HASHES)["e"] == 3
+    index.insert("e", HASHES[:2])  # its prefill stored two blocks again
+    settle(index, expectation)
+    assert index.match(HASHES)["e"] == 2
 
 
 def test_a_prompt_without_full_blocks_leaves_nothing() -> None:
     index = RadixIndex()
     index.add_replica("e")
     nothing = expect(index, replica("e"), [], precise=True)
-    record(index, Predictions(index, ttl_s=30.0), nothing, now=0.0, request_timeout_s=5)
+    record(index, Predictions(index, ttl_s=30.0), nothing, now=0.0)
     assert nothing is NOTHING and not NOTHING.recorded and index.match(HASHES).get("e", 0) == 0
