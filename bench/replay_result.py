@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -71,6 +71,25 @@ class ReplayResult:
             "output_tok_s": sum(r.output_tokens for r in records) / span,
             "elapsed_s": self.elapsed_s,
         }
+
+
+def pooled(results: Sequence[ReplayResult]) -> ReplayResult:
+    """Replays of one workload read as one: their records together, each replay's sessions numbered
+    apart (a turn of one is never read as the next turn of another's), errors and spans added."""
+    if not results:
+        raise ValueError("pooled: no results")
+    span = 1 + max((r.session for res in results for r in res.records if r.session is not None), default=0)
+    records = [
+        replace(r, session=r.session + k * span) if r.session is not None else r
+        for k, res in enumerate(results)
+        for r in res.records
+    ]
+    errors: Counter[str] = Counter()
+    for res in results:
+        errors.update(res.errors)
+    return ReplayResult(
+        results[0].url, sum(r.sent for r in results), sum(r.elapsed_s for r in results), records, errors
+    )
 
 
 def moved_turns(records: Sequence[RequestRecord]) -> float | None:

@@ -4,10 +4,13 @@ Two vLLM servers of SmolLM2-135M (bench.vllm_fleet: one core each, small prefix 
 once and warmed by one replay through round robin that is dropped (the first row after a start runs
 slow); each row then puts one router in front of them and replays the same workload through it
 (bench.replay, prompts as words that vLLM and the routers tokenize themselves), the servers' prefix
-caches emptied before every row. The rows: prefixgate's prefix_aware in precise mode (following
-vLLM's KV events) and in approximate mode (predicting the caches from its own routing and vLLM's
-reported cached tokens), its cache_threshold (precise) and round_robin, and the peers from PyPI
-(bench.peers): sglang-router's and vllm-router's cache_aware, and vllm-router's kv_aware.
+caches emptied before every row; with `--rounds N` every row is replayed N times, the order of the
+rows reversed each round, and each row reads its rounds' requests pooled (one run on these shared
+cores does not settle a cell: the same router's TTFT mean differs by tens of percent between runs).
+The rows: prefixgate's prefix_aware in precise mode (following vLLM's KV events) and in approximate
+mode (predicting the caches from its own routing and vLLM's reported cached tokens), its
+cache_threshold (precise) and round_robin, and the peers from PyPI (bench.peers): sglang-router's
+and vllm-router's cache_aware, and vllm-router's kv_aware.
 
 What each row is measured by: the client's TTFT and end-to-end latency, the hit rate vLLM reported
 in each answer's usage, and from the servers' own /metrics (read before and after each row) the
@@ -44,7 +47,7 @@ from typing import Any
 
 from bench.loadgen import replay_sessions
 from bench.peers import peer_router
-from bench.replay_result import ReplayResult
+from bench.replay_result import ReplayResult, pooled
 from bench.replay_tables import COMPARISON_COLUMNS, comparison_cells
 from bench.report import bar_panels, format_table, write_json
 from bench.token_text import text_of
@@ -135,9 +138,8 @@ def run_row(
     workdir: Path,
     args: argparse.Namespace,
     label: str,
-) -> dict[str, Any]:
-    """One router through one workload, from empty caches: the replay's summary and the servers'
-    counters over it."""
+) -> tuple[ReplayResult, list[ServerCounters]]:
+    """One router through one workload, from empty caches: the replay and the servers' counters over it."""
     reset_prefix_caches(servers, spec.model)
     before = [read_counters(s) for s in servers]
     with router_url(router, servers, spec, workdir) as url:
@@ -145,8 +147,23 @@ def run_row(
             url, sessions, model=spec.model, timeout_s=args.timeout, label=label, text=not router.token_ids
         )
         result: ReplayResult = asyncio.run(replay)
-    served = [read_counters(s) - b for s, b in zip(servers, before, strict=True)]
-    return {**result.summary(), **server_summary(servers, served), "note": NOTES.get(router.name)}
+    return result, [read_counters(s) - b for s, b in zip(servers, before, strict=True)]
+
+
+def row_summary(
+    router: Router, servers: Sequence[VllmServer], rounds: Sequence[tuple[ReplayResult, list[ServerCounters]]]
+) -> dict[str, Any]:
+    """A row's rounds as one: the replay summary of their requests pooled, the servers' counters
+    summed, and each round's TTFT mean and p99 (how far one round is from the next)."""
+    per_server = zip(*(counters for _, counters in rounds), strict=True)
+    served = [sum(counters, ServerCounters(0, 0, 0, 0)) for counters in per_server]
+    by_round = [r.summary()["ttft_s"] for r, _ in rounds]
+    return {
+        **pooled([r for r, _ in rounds]).summary(),
+        **server_summary(servers, served),
+        "rounds": [{"ttft_mean_s": t["mean"], "ttft_p99_s": t["p99"]} for t in by_round],
+        "note": NOTES.get(router.name),
+    }
 
 
 def server_summary(servers: Sequence[VllmServer], served: Sequence[ServerCounters]) -> dict[str, Any]:
@@ -178,6 +195,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated row names (default: all): " + "; ".join(r.name for r in ROUTERS),
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="replays of every row, the rows' order reversed each round"
+    )
     parser.add_argument("--speed", type=float, default=1.0, help="time compression of the workloads")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     parser.add_argument("--json", default=None, help="write the results here, and a PNG next to it")
@@ -193,6 +213,8 @@ def _chosen(args: argparse.Namespace) -> tuple[list[str], list[Router]]:
     unknown = [w for w in workloads if w not in WORKLOADS] + [n for n in wanted if n not in names]
     if unknown or not workloads or not wanted:
         raise SystemExit(f"prefixgate bench vllm: unknown or no workloads/routers: {', '.join(unknown)}")
+    if args.rounds < 1:
+        raise SystemExit(f"prefixgate bench vllm: --rounds must be at least 1, got {args.rounds}")
     return workloads, [names[n] for n in wanted]
 
 
@@ -229,11 +251,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for workload in workloads:
             words = _sessions(workload, args.speed)
             ids = as_token_ids(words) if any(r.token_ids for r in routers) else words
-            for r, router in enumerate(routers):
-                label = f"{workload} {r + 1}/{len(routers)} {router.name}"
-                sessions = ids if router.token_ids else words
-                row = run_row(router, sessions, servers, spec, workdir, args, label)
-                results[workload][router.name] = row
+            rounds: dict[str, list[tuple[ReplayResult, list[ServerCounters]]]] = {r.name: [] for r in routers}
+            for k in range(args.rounds):
+                for r, router in enumerate(routers if k % 2 == 0 else routers[::-1]):
+                    label = f"{workload} {k + 1}.{r + 1}/{args.rounds}.{len(routers)} {router.name}"
+                    sessions = ids if router.token_ids else words
+                    rounds[router.name].append(run_row(router, sessions, servers, spec, workdir, args, label))
+            results[workload] = {r.name: row_summary(r, servers, rounds[r.name]) for r in routers}
             print(_tables(workload, results[workload], [s.id for s in servers]), flush=True)
     payload = {
         "servers": spec.count,
@@ -241,6 +265,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_blocks": spec.num_blocks,
         "model": spec.model,
         "speed": args.speed,
+        "rounds": args.rounds,
         "workload_params": {w: _params(WORKLOADS[w]) for w in workloads},
         "results": results,
         "notes": {name: note for name, note in NOTES.items() if any(r.name == name for r in routers)},
@@ -266,6 +291,7 @@ def _tables(workload: str, rows: dict[str, dict[str, Any]], server_ids: Sequence
         [
             name,
             *(f"{r['servers'][s]['requests']:.0f} ({r['servers'][s]['hit_rate']:.0%})" for s in server_ids),
+            " / ".join("-" if t["ttft_mean_s"] is None else f"{t['ttft_mean_s']:.3f}" for t in r["rounds"]),
         ]
         for name, r in rows.items()
     ]
@@ -273,7 +299,7 @@ def _tables(workload: str, rows: dict[str, dict[str, Any]], server_ids: Sequence
         [
             format_table(f"bench vllm: {workload}", ["router", *COMPARISON_COLUMNS], main),
             format_table("requests per server (its prefix-cache hit rate), from vLLM's /metrics",
-                         ["router", *server_ids], spread),
+                         ["router", *server_ids, "TTFT mean s by round"], spread),
         ]
     )  # fmt: skip
 

@@ -123,6 +123,14 @@ class ServerCounters:
     prefix_queries: float  # prompt tokens looked up in the prefix cache
     prefix_hits: float  # of which found there
 
+    def __add__(self, other: ServerCounters) -> ServerCounters:
+        return ServerCounters(
+            self.requests + other.requests,
+            self.prompt_tokens + other.prompt_tokens,
+            self.prefix_queries + other.prefix_queries,
+            self.prefix_hits + other.prefix_hits,
+        )
+
     def __sub__(self, other: ServerCounters) -> ServerCounters:
         return ServerCounters(
             self.requests - other.requests,

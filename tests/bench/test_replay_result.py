@@ -15,6 +15,7 @@ from bench.replay_result import (
     hit_rate_by_turn,
     latency_stats,
     moved_turns,
+    pooled,
     ttft_predicted,
 )
 
@@ -97,3 +98,17 @@ def test_a_summary_reads_hits_against_prompt_tokens_and_rates_against_the_span()
     empty = ReplayResult("http://x", 0, 0.0).summary()
     assert (empty["completed"], empty["hit_rate"], empty["throughput_req_s"]) == (0, 0.0, 0.0)
     assert empty["moved_turns"] is None and empty["e2e_s"]["p99"] is None
+
+
+def test_pooled_replays_keep_each_replays_sessions_apart() -> None:
+    """Two rounds of one workload: session 0 stayed on w0 in the first and on w1 in the second; read as
+    one session it would have moved."""
+    first = ReplayResult("u", 3, 10.0, [_record(0, 0, "w0"), _record(0, 1, "w0")], Counter(timeout=1))
+    second = ReplayResult("u", 2, 12.0, [_record(0, 0, "w1"), _record(0, 1, "w1"), _record(None, 0, "w0")])
+    both = pooled([first, second])
+    assert both.sent == 5 and both.elapsed_s == 22.0 and both.completed == 5
+    assert both.errors == Counter(timeout=1)
+    assert moved_turns(both.records) == 0.0
+    assert both.summary()["requests_per_replica"] == {"w0": 3, "w1": 2}
+    with pytest.raises(ValueError):
+        pooled([])
