@@ -169,17 +169,24 @@ class RadixIndex:
         """A `removed` event: the replica evicted these blocks. Unknown hashes are ignored."""
         state = self._state(replica)
         pop = state.blocks.pop
-        release = self._release
+        holders, pinned = self._holders, state.pinned
+        keep = ~(1 << state.bit)
         removed = timed = 0
         ticks = state.learner.ticks if state.learner is not None else None
         try:
+            # _release inlined: this loop runs for every block a fleet evicts.
             for h in hashes:
                 expiry = pop(h, None)
                 if expiry is None:
                     continue
                 if ticks is not None:
                     del ticks[h]
-                release(h, state)
+                if h not in pinned:
+                    rest = holders[h] & keep
+                    if rest:
+                        holders[h] = rest
+                    else:
+                        del holders[h]
                 removed += 1
                 if expiry != NEVER:
                     timed += 1
