@@ -47,7 +47,7 @@ from typing import Any
 
 from bench.loadgen import replay_sessions
 from bench.peers import peer_router
-from bench.replay_result import ReplayResult, pooled
+from bench.replay_result import ReplayResult, latency_stats, pooled
 from bench.replay_tables import COMPARISON_COLUMNS, comparison_cells
 from bench.report import bar_panels, format_table, write_json
 from bench.token_text import text_of
@@ -157,7 +157,7 @@ def row_summary(
     summed, and each round's TTFT mean and p99 (how far one round is from the next)."""
     per_server = zip(*(counters for _, counters in rounds), strict=True)
     served = [sum(counters, ServerCounters(0, 0, 0, 0)) for counters in per_server]
-    by_round = [r.summary()["ttft_s"] for r, _ in rounds]
+    by_round = [latency_stats([x.ttft_s for x in r.records]) for r, _ in rounds]
     return {
         **pooled([r for r, _ in rounds]).summary(),
         **server_summary(servers, served),
