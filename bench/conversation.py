@@ -9,7 +9,9 @@ every hop. One conversation at a time, as one user would drive it: a long system
 `--rounds` rounds of a user turn and an assistant answer. Each gateway of GATEWAYS is timed in a phase
 of its own, the same conversations each time: every round is sent direct to the replica and through
 the gateway, in an order that alternates every round so that a noisy second falls on both alike, and
-the gateway's added time is read against the direct sends of its own phase. Phases, not all paths
+the gateway's added time is read against the direct sends of its own phase. The last gateway routes
+on the prompt's text (`tokenizer: text`, gateway.forward.text_ids): what is left without any
+tokenizing. Phases, not all paths
 in one rotation: a gateway without caches spends milliseconds of tokenizing a round, which would
 leave the next path to run on a CPU whose caches it has just cooled.
 
@@ -44,12 +46,15 @@ from bench.overhead_phases import instant_profile
 from bench.procfs import cpu_s, proc_stat
 from bench.replay_result import latency_stats
 from bench.report import bar_panels, format_table, write_json
+from gateway.gateway_config import TEXT_SPEC
 
-# The gateways, each in front of the same worker: (prefix and hash caches MiB, event loop).
-GATEWAYS = {
-    "gateway": (64, "auto"),
-    "gateway, asyncio loop": (64, "asyncio"),
-    "gateway, no caches, asyncio loop": (0, "asyncio"),
+# The gateways, each in front of the same worker: (prefix and hash caches MiB, event loop, tokenizer:
+# None for --tokenizer's).
+GATEWAYS: dict[str, tuple[int, str, str | None]] = {
+    "gateway": (64, "auto", None),
+    "gateway, asyncio loop": (64, "asyncio", None),
+    "gateway, no caches, asyncio loop": (0, "asyncio", None),
+    "gateway, routed on text": (64, "auto", TEXT_SPEC),
 }
 PATHS = ("direct", *GATEWAYS)
 # The bar for a growing conversation: added TTFT p50 over direct, with the cache.
@@ -171,12 +176,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 start_gateway(
                     workdir,
                     f"gateway-{i}",
-                    _gateway(spec.model, worker.url, mib, args.tokenizer),
+                    _gateway(spec.model, worker.url, mib, tokenizer or args.tokenizer),
                     "--event-loop",
                     loop,
                 )
             )
-            for i, (path, (mib, loop)) in enumerate(GATEWAYS.items())
+            for i, (path, (mib, loop, tokenizer)) in enumerate(GATEWAYS.items())
         }
         wait_healthy(list(gateways.values()))
         urls = {"direct": worker.url, **{path: g.url for path, g in gateways.items()}}

@@ -251,6 +251,8 @@ def fill_fleet_defaults(args: argparse.Namespace) -> None:
         args.duration = FLEET_DURATION_S
     if args.modes is None:
         args.modes = FLEET_MODES if args.sim_unit is None else tuple(m for m in FLEET_MODES if not m.precise)
+    if any(m.on_text for m in args.modes) and not args.text:
+        raise SystemExit("prefixgate bench replay: --modes text routes prompts sent as text: add --text")
     if not (chosen or args.shared_prefix is not None):
         raise SystemExit("prefixgate bench replay: give a workload, --trace, --shared-prefix or --workload")
     if args.duration is None and args.workload is None:

@@ -14,6 +14,7 @@ from typing import Any
 from bench.local_fleet import SimWorkers, gateway_config
 from bench.peers import PEER_ROWS
 from bench.shared_flags import INDEX_POLICIES
+from gateway.gateway_config import TEXT_SPEC
 from workers.sim.profiles import get_profile
 
 # --sim-unit: the workers' own unit, and the KV block of `blocks64`.
@@ -30,11 +31,15 @@ class Mode:
 
     precise: bool
     capacity_factor: float | None = None
+    # Routed on the prompt's text (`tokenizer: text`), not tokenized: with --text only.
+    on_text: bool = False
 
     @property
     def name(self) -> str:
         if self.precise:
             return "precise"
+        if self.on_text:
+            return "approx text"
         return (
             "approx cap absent" if self.capacity_factor is None else f"approx cap x{self.capacity_factor:g}"
         )
@@ -48,6 +53,7 @@ class Mode:
 
 PRECISE = Mode(precise=True)
 APPROX = Mode(precise=False)
+TEXT = Mode(precise=False, on_text=True)
 FLEET_MODES = (Mode(False, 0.25), Mode(False, 1.0), Mode(False, 16.0), APPROX, PRECISE)
 
 
@@ -104,7 +110,7 @@ def row_gateway_config(
     if prefix_aware:
         config["routing"]["prefix_aware"] = dict(prefix_aware)
     if text:
-        config["models"] = {model: {"tokenizer": "default"}}
+        config["models"] = {model: {"tokenizer": TEXT_SPEC if mode.on_text else "default"}}
     if mode.precise:
         config["replicas"] = [{"url": url, "kind": "bundled"} for url in worker_urls]
         return config
@@ -149,6 +155,8 @@ def _mode(item: str) -> Mode:
     kind, _, factor = item.partition(":")
     if kind == "precise" and not factor:
         return PRECISE
+    if kind == "text" and not factor:
+        return TEXT
     if kind == "approx":
         capacity_factor = float(factor) if factor else None
         if capacity_factor is None or capacity_factor > 0:
@@ -171,14 +179,14 @@ def parse_peers(text: str) -> tuple[str, ...]:
 
 
 def parse_modes(text: str) -> tuple[Mode, ...]:
-    """`--modes`: precise, approx (no capacity told) and approx:F (F > 0 times the true pool),
-    comma-separated."""
+    """`--modes`: precise, approx (no capacity told), approx:F (F > 0 times the true pool) and text
+    (approx, routed on the prompt's text), comma-separated."""
     try:
         modes = tuple(_mode(item.strip()) for item in text.split(",") if item.strip())
     except ValueError:
         modes = ()
     if not modes:
         raise argparse.ArgumentTypeError(
-            f"expected precise, approx or approx:FACTOR (FACTOR > 0), comma-separated; got {text!r}"
+            f"expected precise, approx, approx:FACTOR (FACTOR > 0) or text, comma-separated; got {text!r}"
         )
     return modes

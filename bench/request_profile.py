@@ -40,7 +40,7 @@ from gateway.fleet.replicas import Replica
 from gateway.forward.request_view import read_request
 from gateway.forward.router import decide
 from gateway.forward.tokenizers import Tokenizers
-from gateway.gateway_config import Limits
+from gateway.gateway_config import TEXT_SPEC, Limits
 from policies import build_policy
 from policies.routing_config import RoutingConfig
 from protocol.models import load_tokenizer_spec
@@ -70,6 +70,8 @@ class Shape:
     route: str  # "chat" or "completions"
     caches: bool
     bodies: Bodies
+    # The tokenizer, when not --tokenizer's: "text" routes on the prompt's text (gateway.forward.text_ids).
+    tokenizer: str | None = None
 
 
 def _chats(words: int) -> Bodies:
@@ -107,6 +109,8 @@ def shapes() -> list[Shape]:
         Shape("completion, 2k ids, new", "completions", True, _ids(2000)),
         Shape("conversation turn, caches", "chat", True, _turns),
         Shape("conversation turn, no caches", "chat", False, _turns),
+        Shape("chat, 200 words, new, routed on text", "chat", True, _chats(200), TEXT_SPEC),
+        Shape("conversation turn, routed on text", "chat", True, _turns, TEXT_SPEC),
     ]
 
 
@@ -135,10 +139,11 @@ async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "def
     """Median seconds of each stage over `requests` timed requests of `shape`, tokenized with the
     tokenizer `spec` names."""
     cache_bytes = CACHE_BYTES if shape.caches else 0
+    spec = shape.tokenizer or spec
     tokenizers = Tokenizers({MODEL: spec}, cache_bytes=cache_bytes)
     await tokenizers.load([MODEL])
-    tokenizer = load_tokenizer_spec(spec)
-    assert tokenizer is not None
+    # What renders the chat template, timed apart ("of which render"); none for a text-routed model.
+    tokenizer = load_tokenizer_spec(spec) if spec != TEXT_SPEC else None
     limits = Limits()
     index = RadixIndex()
     replicas = [
@@ -165,7 +170,7 @@ async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "def
             prompt = await tokenizers.prompt(view, MODEL, limits)
             stamps.append(time.perf_counter())
             assert prompt is not None
-            if view.messages is not None and measured:
+            if view.messages is not None and measured and tokenizer is not None:
                 start = time.perf_counter()
                 tokenizer.render_chat(view.messages)
                 times["of which render"].append(time.perf_counter() - start)

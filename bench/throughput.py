@@ -6,7 +6,8 @@ where replicas are many and fast. Here one canned replica (bench.canned_replica:
 at once, on llhttp and uvloop) stands for them, and `--clients` keep-alive clients, each sending its
 next request when its answer ends (on uvloop where installed), drive it directly, through a
 prefixgate gateway (approximate mode, the default tokenizer: it renders, tokenizes, hashes, matches
-and records every prompt), and
+and records every prompt; and beside it one routing on the prompt's text, `tokenizer: text`, which
+skips rendering and tokenizing), and
 through sglang-router's cache_aware policy (a Rust router matching text in a radix tree; from the
 peers venv, bench.peers, left out with the reason when that cannot be made). Every chat is new (a
 pool of distinct chats larger than any phase sends, `--words` words each), non-streaming. Each
@@ -122,18 +123,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[1],
         help="prefixgate's process counts (serve --workers N), one target each, comma-separated",
     )
+    parser.add_argument(
+        "--tokenizers",
+        type=lambda text: text.split(","),
+        default=["default", "text"],
+        help="prefixgate's tokenizers, one target each (text: routed on the prompt's text), comma-separated",
+    )
     parser.add_argument("--no-peer", action="store_true", help="leave sglang-router out")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here, and a PNG next to it")
 
 
-def gateway_name(workers: int) -> str:
-    return ONE if workers == 1 else f"{ONE} x{workers}"
+def gateway_name(workers: int, tokenizer: str = "default") -> str:
+    name = ONE if tokenizer == "default" else f"{ONE} {tokenizer}"
+    return name if workers == 1 else f"{name} x{workers}"
 
 
 @contextlib.contextmanager
 def targets(
-    workdir: Path, peer: bool, gateway_workers: list[int]
+    workdir: Path, peer: bool, gateway_workers: list[int], tokenizers: list[str]
 ) -> Iterator[tuple[dict[str, str], dict[str, Child], dict[str, str]]]:
     """The replica and the routers in front of it, ready: (URLs by target, the prefixgate gateways by
     target, why a target is missing)."""
@@ -143,10 +151,18 @@ def targets(
         replica = fleet.add(spawn("replica", command, f"http://127.0.0.1:{port}", workdir))
         wait_healthy([replica])
         config = gateway_config(MODEL, [], policy="prefix_aware")
-        config["models"] = {MODEL: {"tokenizer": "default"}}
         config["replicas"] = [{"url": replica.url, "id": "canned", "kind": "openai", "model": MODEL}]
         gateways = {
-            gateway_name(n): fleet.add(start_gateway(workdir, f"gateway-{n}", config, "--workers", str(n)))
+            gateway_name(n, tokenizer): fleet.add(
+                start_gateway(
+                    workdir,
+                    f"gateway-{tokenizer}-{n}",
+                    config | {"models": {MODEL: {"tokenizer": tokenizer}}},
+                    "--workers",
+                    str(n),
+                )
+            )
+            for tokenizer in tokenizers
             for n in gateway_workers
         }
         wait_healthy(list(gateways.values()))
@@ -172,7 +188,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[int, dict[str, Any]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="prefixgate-throughput-") as tmp,
-        targets(Path(tmp), not args.no_peer, args.gateway_workers) as (urls, gateways, missing),
+        targets(Path(tmp), not args.no_peer, args.gateway_workers, args.tokenizers) as (
+            urls,
+            gateways,
+            missing,
+        ),
         asyncio.Runner(loop_factory=new_event_loop) as runner,
     ):
         order = list(urls)
@@ -206,6 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "duration_s": args.duration,
             "words": args.words,
             "gateway_workers": args.gateway_workers,
+            "tokenizers": args.tokenizers,
             "cpus": os.cpu_count(),
         },
         "targets": list(urls),

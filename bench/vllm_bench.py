@@ -8,7 +8,9 @@ caches emptied before every row; with `--rounds N` every row is replayed N times
 rows reversed each round, and each row reads its rounds' requests pooled (one run on these shared
 cores does not settle a cell: the same router's TTFT mean differs by tens of percent between runs).
 The rows: prefixgate's prefix_aware in precise mode (following vLLM's KV events) and in approximate
-mode (predicting the caches from its own routing and vLLM's reported cached tokens), its
+mode (predicting the caches from its own routing and vLLM's reported cached tokens), the latter
+also routing on the prompts' text untokenized (`tokenizer: text`: vLLM counts tokens, the gateway
+four-byte words of JSON), its
 cache_threshold (precise) and round_robin, and the peers from PyPI (bench.peers): sglang-router's
 and vllm-router's cache_aware, and vllm-router's kv_aware.
 
@@ -63,6 +65,7 @@ from bench.vllm_fleet import (
     vllm_fleet,
 )
 from bench.workloads import AgentParams, GroupedParams, Session, agent_sessions, grouped_sessions, scaled
+from gateway.gateway_config import TEXT_SPEC
 from protocol.models import default_tokenizer
 
 NUM_BLOCKS = 160
@@ -86,11 +89,14 @@ class Router:
     policy: str | None = None  # prefixgate's; None for a peer
     precise: bool = False
     token_ids: bool = False
+    # prefixgate's `tokenizer:` ("text": routed on the prompt's text, approximate).
+    tokenizer: str = "default"
 
 
 ROUTERS = (
     Router("prefixgate prefix_aware precise", "prefix_aware", precise=True),
     Router("prefixgate prefix_aware approx", "prefix_aware"),
+    Router("prefixgate prefix_aware text", "prefix_aware", tokenizer=TEXT_SPEC),
     Router("prefixgate cache_threshold precise", "cache_threshold", precise=True),
     Router("prefixgate round_robin", "round_robin"),
     Router("sglang cache_aware"),
@@ -107,7 +113,9 @@ NOTES = {
 def router_url(router: Router, servers: Sequence[VllmServer], spec: VllmSpec, workdir: Path) -> Iterator[str]:
     """The row's router started over `servers`, its base URL yielded once it answers."""
     if router.policy is not None:
-        with gateway(servers, spec, workdir, router.policy, precise=router.precise) as url:
+        with gateway(
+            servers, spec, workdir, router.policy, precise=router.precise, tokenizer=router.tokenizer
+        ) as url:
             yield url
         return
     urls = [s.url for s in servers]

@@ -364,11 +364,18 @@ def _relay(context: zmq.Context[zmq.Socket[bytes]], source: str, target: str) ->
 
 
 def gateway_config(
-    servers: Sequence[VllmServer], spec: VllmSpec, policy: str, port: int, *, precise: bool
+    servers: Sequence[VllmServer],
+    spec: VllmSpec,
+    policy: str,
+    port: int,
+    *,
+    precise: bool,
+    tokenizer: str = "default",
 ) -> dict[str, Any]:
     """The servers as foreign OpenAI replicas: precise, their KV events followed; otherwise
     approximate, predicted from the gateway's own routing with no capacity told (it learns it). The
-    gateway tokenizes text prompts with SmolLM2's tokenizer, vLLM's own files."""
+    gateway tokenizes text prompts with `tokenizer`: by default SmolLM2's, vLLM's own files; "text"
+    routes on the text untokenized (approximate only)."""
     replicas = []
     for server in servers:
         entry: dict[str, Any] = {
@@ -380,7 +387,7 @@ def gateway_config(
         replicas.append(entry)
     return {
         "model": spec.model,
-        "models": {spec.model: {"tokenizer": "default"}},
+        "models": {spec.model: {"tokenizer": tokenizer}},
         "listen": {"host": "127.0.0.1", "port": port},
         "replicas": replicas,
         "routing": {"policy": policy},
@@ -389,14 +396,22 @@ def gateway_config(
 
 @contextlib.contextmanager
 def gateway(
-    servers: Sequence[VllmServer], spec: VllmSpec, workdir: Path, policy: str, *, precise: bool
+    servers: Sequence[VllmServer],
+    spec: VllmSpec,
+    workdir: Path,
+    policy: str,
+    *,
+    precise: bool,
+    tokenizer: str = "default",
 ) -> Iterator[str]:
     """A `prefixgate serve` process over `servers`, every one routable when this yields its URL;
     stopped on the way out."""
     port = free_port()
-    name = f"gateway-{policy}-{'precise' if precise else 'approx'}"
+    name = f"gateway-{policy}-{'precise' if precise else 'approx'}-{tokenizer}"
     config = workdir / f"{name}.yaml"
-    config.write_text(yaml.safe_dump(gateway_config(servers, spec, policy, port, precise=precise)))
+    config.write_text(
+        yaml.safe_dump(gateway_config(servers, spec, policy, port, precise=precise, tokenizer=tokenizer))
+    )
     command = cli("serve", "--config", str(config), "--log-level", "WARNING")
     child = spawn(name, command, f"http://127.0.0.1:{port}", workdir)
     try:

@@ -25,7 +25,7 @@ from gateway.fleet.predictions import Predictions
 from gateway.fleet.replicas import Replica, Source
 from gateway.fleet.response_owners import ResponseOwners
 from gateway.forward.upstream_client import UpstreamClient
-from gateway.gateway_config import GatewayConfig, ReplicaEntry
+from gateway.gateway_config import TEXT_SPEC, GatewayConfig, ReplicaEntry
 from gateway.gateway_state import GatewayState, tokenizers_of
 from gateway.sync.bundled_events import IndexSync
 from gateway.sync.zmq_events import ZmqSource, ZmqSync
@@ -143,7 +143,15 @@ class Gateway:
 
     def activate(self, found: Probe, source: Source) -> Replica:
         config = self.state.config
-        approximate = self.state.approximate_everywhere
+        # A model routed on its text matches no KV event's token blocks: its replicas are predicted.
+        text = config.tokenizer_for(found.model) == TEXT_SPEC
+        if text and found.kv_events is not None:
+            log.error(
+                "replica %s: model %r is routed on its text; its KV events are not followed",
+                found.id,
+                found.model,
+            )
+        approximate = self.state.approximate_everywhere or text
         # Configured KV events are followed whatever the kind: the operator named them.
         events = None if approximate else found.kv_events
         precise = events is not None or (found.kind == "bundled" and not approximate)

@@ -165,9 +165,14 @@ class KubernetesSection(_Section):
         return url
 
 
+# The `tokenizer:` of a model routed on its prompt's text (gateway.forward.text_ids).
+TEXT_SPEC = "text"
+
+
 class ModelEntry(_Section):
-    # "default": SmolLM2's tokenizer (docs/design.md §6); a HF folder path; or "none" (token-id prompts
-    # only).
+    # "default": SmolLM2's tokenizer (docs/design.md §6); a HF folder path; "text" (routed on the
+    # prompt's text, untokenized: its replicas predicted, never followed by KV events;
+    # gateway.forward.text_ids); or "none" (token-id prompts only).
     tokenizer: str = "default"
     # How a foreign backend of this model continues a stream another replica lost mid-answer
     # (gateway.forward.migration): "none" (the client gets an error event), "completions" (completions with a
@@ -256,6 +261,18 @@ class GatewayConfig(_Section):
     learning: Learning = Learning()
     # Names this gateway in shared predictions and logs (default: hostname-pid-random, unique).
     gateway_id: str | None = None
+
+    @model_validator(mode="after")
+    def _text_events(self) -> GatewayConfig:
+        """KV events name token blocks, which a model routed on its text never matches."""
+        for i, entry in enumerate(self.replicas):
+            model = entry.model or self.model
+            if entry.kv_events is not None and model is not None and self.tokenizer_for(model) == TEXT_SPEC:
+                raise ValueError(
+                    f"replicas[{i}] names kv_events, but its model {model!r} is routed on its text "
+                    "(tokenizer: text), which KV events' token blocks never match: drop one of the two"
+                )
+        return self
 
     def api_keys(self) -> frozenset[str]:
         return frozenset(_secret_list(self.auth.api_keys_env))

@@ -37,7 +37,10 @@ def pack_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
         ):
             raise OverflowError("token ids must fit in an unsigned 32-bit integer")
         return token_ids.astype("<u4", copy=False).tobytes()
-    packed = array.array("I", token_ids)
+    if isinstance(token_ids, array.array) and token_ids.typecode == "I":
+        packed = token_ids if not _NEEDS_BYTESWAP else array.array("I", token_ids)
+    else:
+        packed = array.array("I", token_ids)
     if _NEEDS_BYTESWAP:
         packed.byteswap()
     return packed.tobytes()

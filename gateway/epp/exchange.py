@@ -100,7 +100,7 @@ class Exchange:
             raw=raw,
             body=body,
             headers=CIMultiDict(),
-            tokens=tokens,
+            tokens=prompt.token_ids if prompt is not None else None,
             tokenized=prompt is not None and prompt.tokenized,
             decision=decision,
             arrival=arrival,

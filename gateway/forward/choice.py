@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from gateway.fleet.expectations import NOTHING, Expectation, expect, record
 from gateway.fleet.replicas import Replica
@@ -62,7 +62,7 @@ async def choose(
     route: Route,
     view: RequestView,
     replicas: list[Replica],
-    tokens: list[int] | None,
+    tokens: Sequence[int] | None,
 ) -> Decision:
     """The policy's choice by prefix, or by load; a stored response's own replica first and alone, when
     it can take the request (no other replica holds that response)."""

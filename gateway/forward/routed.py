@@ -29,6 +29,8 @@ class Routed:
     # The client's end-to-end headers (gateway.http.reading.forwarded_headers), Authorization not among them;
     # a multidict, as a header may come more than once (Cookie).
     headers: CIMultiDict[str]
+    # The prompt's whole token ids when routing has them (tokenizers.Prompt.token_ids): what a bundled
+    # worker's stream is continued from elsewhere.
     tokens: list[int] | None
     # Whether the gateway tokenized the prompt itself (the ids are then worth attaching).
     tokenized: bool

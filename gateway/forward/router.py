@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.fleet.replicas import SPEED_ALPHA, Replica
@@ -80,7 +81,7 @@ def decide(
     policy: Policy,
     index: RadixIndex,
     replicas: list[Replica],
-    tokens: list[int] | None,
+    tokens: Sequence[int] | None,
     session: str | None = None,
     pd: PrefillDecode | None = None,
     transfer: bool = True,

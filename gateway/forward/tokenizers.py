@@ -23,13 +23,16 @@ loop the same there as on a thread. A turn that turns out to have more to encode
 thread whole, nothing kept of the try.
 
 A model configured with `tokenizer: none` routes without prefix information unless the client sends
-token ids: its replicas still get the request, the prompt just matches nothing.
+token ids: its replicas still get the request, the prompt just matches nothing. One configured with
+`tokenizer: text` is routed on its prompt's text (gateway.forward.text_ids), on the event loop: there
+is nothing to load, and nothing to encode but a JSON dump.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -37,7 +40,8 @@ import orjson
 
 from gateway.forward.prefix_cache import Allowance, CacheStats, PrefixCache, TooLong
 from gateway.forward.request_view import RequestView, prompt_ids
-from gateway.gateway_config import Limits
+from gateway.forward.text_ids import text_ids
+from gateway.gateway_config import TEXT_SPEC, Limits
 from protocol.models import load_tokenizer_spec
 from protocol.tokenizer import ChatTemplateError, HeadTokenizer, Tokenizer, encode_ids
 
@@ -72,11 +76,20 @@ _WARM_UP = RequestView(
 class Prompt:
     """A prompt as routing takes it."""
 
-    # The ids routed on: the prompt's first limits.max_routed_tokens ids at most.
-    ids: list[int]
+    # The ids routed on: the prompt's first limits.max_routed_tokens ids at most (token ids, or the
+    # text's own ids for a model routed on its text: gateway.forward.text_ids).
+    ids: Sequence[int]
     # Whether the gateway tokenized the whole prompt itself and `ids` are all of it: only then are
     # they attached to what a bundled worker gets (a client's own ids go as the client sent them).
     tokenized: bool
+    # Whether `ids` are all of the prompt's token ids (the gateway's or the client's): only then can a
+    # bundled worker's stream be continued from them elsewhere (gateway.forward.migration).
+    whole: bool
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        """The prompt's whole token ids, when routing has them."""
+        return self.ids if self.whole and isinstance(self.ids, list) else None
 
 
 class Tokenizers:
@@ -119,6 +132,9 @@ class Tokenizers:
     def _load(self, model: str) -> None:
         """On the long prompts' thread: load, warm, publish."""
         spec = self.spec_of(model)
+        if spec == TEXT_SPEC:  # nothing to load: routed on its text
+            self._loaded[model] = None
+            return
         try:
             tokenizer = load_tokenizer_spec(spec)
             if tokenizer is not None:
@@ -135,9 +151,13 @@ class Tokenizers:
         tokenizer for this model, one still loading (then this starts the load), or too many long
         prompts already waiting."""
         if view.token_ids is not None:
-            return Prompt(_head(view.token_ids, limits.max_routed_tokens), tokenized=False)
+            whole = len(view.token_ids) <= limits.max_routed_tokens
+            return Prompt(_head(view.token_ids, limits.max_routed_tokens), tokenized=False, whole=whole)
         if not view.has_prompt:
             return None
+        if self.spec_of(model) == TEXT_SPEC:
+            ids = text_ids(view, limits.max_routed_tokens)
+            return None if ids is None else Prompt(ids, tokenized=False, whole=False)
         tokenizer = self._loaded.get(model)
         if tokenizer is None:
             if model not in self._loaded:
@@ -173,7 +193,7 @@ class Tokenizers:
             elif model not in self._loaded:
                 out[model] = "loading"
             else:
-                out[model] = "loaded" if self._loaded[model] is not None else "none"
+                out[model] = "loaded" if self._loaded[model] is not None else self.spec_of(model)
         return out
 
     def cache_stats(self) -> dict[str, CacheStats]:
@@ -226,9 +246,8 @@ def _inline(
 
 def _prompt(ids: list[int], limits: Limits, cut: bool = False) -> Prompt:
     """The ids as routing takes them: whole only when none were cut and all are routed on."""
-    return Prompt(
-        _head(ids, limits.max_routed_tokens), tokenized=not cut and len(ids) <= limits.max_routed_tokens
-    )
+    whole = not cut and len(ids) <= limits.max_routed_tokens
+    return Prompt(_head(ids, limits.max_routed_tokens), tokenized=whole, whole=whole)
 
 
 def _head(ids: list[int], count: int) -> list[int]:

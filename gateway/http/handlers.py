@@ -77,7 +77,7 @@ async def _route_and_forward(
         raw=raw,
         body=body,
         headers=forwarded_headers(request),
-        tokens=tokens,
+        tokens=prompt.token_ids if prompt is not None else None,
         tokenized=prompt is not None and prompt.tokenized,
         decision=decision,
         arrival=arrival,

@@ -14,6 +14,7 @@ from bench.replay_rows import (
     BLOCKS64,
     FLEET_MODES,
     PRECISE,
+    TEXT,
     FleetWorkers,
     Mode,
     PeerRow,
@@ -79,6 +80,8 @@ def test_foreign_workers_are_declared_openai_in_every_row_and_the_text_gateway_t
     urls = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
     config = parse_config(row_gateway_config("m", urls, "round_robin", APPROX, (16, 768), 8000, text=True))
     assert config.tokenizer_for("m") == "default" and {r.kind for r in config.replicas} == {"openai"}
+    on_text = parse_config(row_gateway_config("m", urls, "prefix_aware", TEXT, (16, 768), 8000, text=True))
+    assert on_text.tokenizer_for("m") == "text" and {r.kind for r in on_text.replicas} == {"openai"}
     assert (
         parse_config(row_gateway_config("m", urls, "round_robin", APPROX, (16, 768), 8000)).tokenizer_for("m")
         == "none"
@@ -105,7 +108,8 @@ def test_modes_are_named_and_tell_a_capacity_only_when_approximate_with_a_factor
 
 def test_mode_and_peer_flags_name_rows_or_are_refused() -> None:
     assert parse_modes("precise, approx,approx:0.5,") == (PRECISE, APPROX, Mode(False, 0.5))
-    for text in ("", "approx:0", "approx:-1", "precise:2", "fuzzy", "approx:x"):
+    assert parse_modes("text") == (TEXT,) and TEXT.name == "approx text"
+    for text in ("", "approx:0", "approx:-1", "precise:2", "fuzzy", "approx:x", "text:2"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected precise"):
             parse_modes(text)
     assert parse_peers("sglang") == ("sglang cache_aware",)

@@ -39,6 +39,8 @@ def test_cli_measures_the_replica_and_the_gateway(tmp_path: Path) -> None:
         "0.2",
         "--gateway-workers",
         "1,2",
+        "--tokenizers",
+        "default,text",
     ]
     main([*argv, "--no-peer", "--json", str(out)])
     payload = json.loads(out.read_text())
@@ -48,12 +50,13 @@ def test_cli_measures_the_replica_and_the_gateway(tmp_path: Path) -> None:
     assert payload["peak_rss_mib"]["prefixgate x2"] > payload["peak_rss_mib"]["prefixgate"] > 20
     for words in ("20", "60"):
         result = payload["results"][words]
-        assert set(result["req_s"]) == {"direct", "prefixgate", "prefixgate x2"}
+        gateways = {"prefixgate", "prefixgate x2", "prefixgate text", "prefixgate text x2"}
+        assert set(result["req_s"]) == {"direct", *gateways}
         assert all(rate > 0 for rate in result["req_s"].values())
         # Each target measured twice (ABBA), its better phase reported.
         assert all(len(p) == 2 for p in result["phases_req_s"].values())
         assert result["req_s"]["prefixgate"] == max(result["phases_req_s"]["prefixgate"])
-        assert result["failed"] == {"direct": 0, "prefixgate": 0, "prefixgate x2": 0}
+        assert result["failed"] == dict.fromkeys(["direct", *gateways], 0)
         # The two-process gateway's CPU is its processes' (the parent alone relays and would read ~0).
-        assert set(result["cpu_s_per_request"]) == {"prefixgate", "prefixgate x2"}
+        assert set(result["cpu_s_per_request"]) == gateways
         assert all(cpu > 0.1e-3 for cpu in result["cpu_s_per_request"].values())

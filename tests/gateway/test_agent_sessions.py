@@ -1,6 +1,7 @@
 """Multi-turn tool-calling sessions in front of foreign backends (approximate mode): each turn's prompt,
 tool calls and tool results included, extends the last one, so the gateway sees the session's prefix
-and predicts that the replica which served the last turn holds all of it."""
+and predicts that the replica which served the last turn holds all of it; alike whether it tokenizes
+the prompt or routes on its text (`tokenizer: text`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.support.gateways import RecordingBackend, RunningGateway
 
@@ -43,13 +45,16 @@ def _turn(messages: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
     ]
 
 
+@pytest.mark.parametrize("tokenizer", ["default", "text"])
 def test_each_turn_is_predicted_to_hit_the_last_turns_prompt(
     recording_backend: Callable[..., tuple[RecordingBackend, str]],
     start_gateway: Callable[..., RunningGateway],
+    tokenizer: str,
 ) -> None:
     backends = [recording_backend(f"b{i}") for i in range(3)]
-    gateway = start_gateway([url for _, url in backends], models={MODEL: {}})
+    gateway = start_gateway([url for _, url in backends], models={MODEL: {"tokenizer": tokenizer}})
     assert {r.kind for r in gateway.state.replicas.all()} == {"openai"}, "approximate mode: no KV events"
+    assert gateway.state.tokenizers.status()[MODEL] == ("loaded" if tokenizer == "default" else "text")
     messages = [
         {"role": "system", "content": "You are the order desk of a hardware store. " * 10},
         {"role": "user", "content": "What did customer c0 order?"},
@@ -64,6 +69,7 @@ def test_each_turn_is_predicted_to_hit_the_last_turns_prompt(
         replica = answer.headers["x-prefixgate-replica"]
         if k:
             assert replica == last_replica, "the session stays where its prefix is"
-            assert predicted >= 16 * (last_prompt // 16), f"turn {k}: the last turn's prompt must match"
+            # All of the last prompt but its end (its generation prompt; its closing bracket in text).
+            assert predicted >= 16 * ((last_prompt - 1) // 16), f"turn {k}: the last turn's prompt must match"
         last_prompt, last_replica = explained["prompt_tokens"], replica
         messages = _turn(messages, k)

@@ -60,6 +60,13 @@ def test_secrets_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
         ),
         ({"routing": {"pd": {"min_transfer_tokens": -1}}}, "gateway.routing.pd.min_transfer_tokens"),
         ({"routing": {"pd": {"decode_penalty": 0.1}}}, "gateway.routing.pd.decode_penalty: unknown key"),
+        (
+            {
+                "models": {"m": {"tokenizer": "text"}},
+                "replicas": [{"url": "http://x", "model": "m", "kv_events": "tcp://127.0.0.1:5557"}],
+            },
+            "is routed on its text",
+        ),
     ],
 )
 def test_mistakes_name_their_key(data: dict, message: str) -> None:

@@ -56,12 +56,17 @@ def test_a_prompt_past_either_limit_is_routed_by_its_head_and_not_attached(token
         prompt = asyncio.run(tokenizers.prompt(view, MODEL, LIMITS))
         assert prompt is not None and not prompt.tokenized
         assert prompt.ids == whole.ids[:256]
+        assert prompt.token_ids is None, "a head is no prompt to continue a stream from"
+    assert whole.token_ids == whole.ids
 
 
 def test_a_clients_ids_are_routed_by_their_head_and_never_attached(tokenizers: Tokenizers) -> None:
     ids = list(range(1, 10_001))
     prompt = asyncio.run(tokenizers.prompt(RequestView("completions", token_ids=ids), MODEL, LIMITS))
     assert prompt is not None and prompt.ids == ids[:256] and not prompt.tokenized
+    assert prompt.token_ids is None
+    short = asyncio.run(tokenizers.prompt(RequestView("completions", token_ids=ids[:100]), MODEL, LIMITS))
+    assert short is not None and short.token_ids == ids[:100] and not short.tokenized
 
 
 def test_past_the_long_queue_a_long_prompt_is_routed_by_load(tokenizers: Tokenizers) -> None:
