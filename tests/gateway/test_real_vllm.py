@@ -1,6 +1,6 @@
 """The gateway in front of a real vLLM server (vLLM's CPU build, SmolLM2-135M, bench.vllm_fleet):
-precise mode's index against what vLLM reports it reused, the index across a vLLM restart, and the
-OpenAI API passed through untouched.
+precise mode's index against what vLLM reports it reused, the index across a vLLM restart, the
+OpenAI API passed through untouched, and a gateway routing on the prompts' text reading vLLM's reports.
 
 One server for the module, with a prefix cache of 48 blocks of 32 tokens, so that a few prompts of
 ~500 tokens evict one another; one `prefixgate serve` process in front of it, following its KV
@@ -51,11 +51,15 @@ class GatewayOverVllm:
     workdir: Path
 
     def replica(self) -> dict[str, Any]:
-        """The gateway's view of the replica (/admin/replicas: open on loopback)."""
-        response = httpx.get(f"{self.gateway}/admin/replicas", timeout=5.0)
-        response.raise_for_status()
-        (replica,) = response.json()["replicas"]
-        return replica
+        return replica_of(self.gateway)
+
+
+def replica_of(gateway_url: str) -> dict[str, Any]:
+    """A gateway's view of its one replica (/admin/replicas: open on loopback)."""
+    response = httpx.get(f"{gateway_url}/admin/replicas", timeout=5.0)
+    response.raise_for_status()
+    (replica,) = response.json()["replicas"]
+    return replica
 
 
 @pytest.fixture(scope="module")
@@ -241,12 +245,13 @@ CITY_SCHEMA = {
 }
 
 
+def client(url: str) -> openai.OpenAI:
+    """The official client, to a gateway or to vLLM."""
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60.0)
+
+
 def clients(fleet: GatewayOverVllm) -> tuple[openai.OpenAI, openai.OpenAI]:
     """The official client through the gateway, and straight to vLLM."""
-
-    def client(url: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60.0)
-
     return client(fleet.gateway), client(fleet.server.url)
 
 
@@ -327,3 +332,51 @@ def test_passthrough_stream_with_usage(fleet: GatewayOverVllm) -> None:
     through, direct = results
     assert through == direct
     assert direct[0] and direct[2] == 16
+
+
+# -- a gateway routing on the text ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def on_text(fleet: GatewayOverVllm) -> Iterator[str]:
+    """A second gateway in front of the same server, routing its model on the prompts' text
+    (`tokenizer: text`): approximate, as such a model's replicas always are."""
+    with gateway([fleet.server], SPEC, fleet.workdir, "prefix_aware", precise=False, tokenizer="text") as url:
+        yield url
+
+
+def test_routed_on_text_reads_vllms_reports(empty: GatewayOverVllm, on_text: str) -> None:
+    """A six-turn chat through the gateway routing on its text: from the second turn on it predicts
+    the history held, and vLLM reports reusing it. vLLM counts its tokens in blocks of 32, the
+    gateway four-byte ids in blocks of 32: read as the share of the prompt they are, vLLM's reports
+    never look like an eviction (its cache holds the whole chat), so no capacity is learned."""
+    rng = random.Random(4)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": text_of(documents(1, 150, seed=4)[0])}]
+    turns = []
+    for _ in range(6):
+        messages.append({"role": "user", "content": text_of([rng.randrange(1000, 30000) for _ in range(12)])})
+        body = {"model": SPEC.model, "messages": messages, "max_tokens": 8, "temperature": 0}
+        response = httpx.post(f"{on_text}/v1/chat/completions", json=body, timeout=60.0)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        usage = answer["usage"]
+        turns.append(
+            (int(response.headers[PREDICTED_CACHED_HEADER]), usage["prompt_tokens_details"]["cached_tokens"])
+        )
+        messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+    assert turns[0] == (0, 0), turns
+    assert all(predicted > 0 and cached > 0 for predicted, cached in turns[1:]), turns
+    replica = replica_of(on_text)
+    assert replica["index_blocks"] > 0 and replica["index_capacity_blocks"] is None, replica
+
+
+def test_routed_on_text_answers_as_vllm(fleet: GatewayOverVllm, on_text: str) -> None:
+    """A tool-call history with its tools (the ids: tools first, then the messages, as JSON) through
+    the gateway routing on the text and straight to vLLM: the same answers."""
+    body = CASES["tools"][1]
+    results = []
+    for url in (on_text, fleet.server.url):
+        reset_prefix_caches([fleet.server], SPEC.model)
+        results.append(answers(client(url).chat.completions.create(model=SPEC.model, temperature=0, **body)))
+    through, direct = results
+    assert through == direct
