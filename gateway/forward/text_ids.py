@@ -30,15 +30,14 @@ _NEEDS_BYTESWAP = sys.byteorder != "little"
 
 def text_ids(view: RequestView, max_ids: int) -> array | None:
     """The prompt's first `max_ids` ids (little-endian uint32 words of its bytes; a last partial word
-    left out); None when the view holds no text (token ids are routed as given) or none encodes."""
+    left out); None when the view holds no text (token ids are routed as given)."""
     if view.text is not None:
         data = view.text.encode()
     elif view.messages is not None:
         parts = [{"tools": view.tools}, *view.messages] if view.tools else view.messages
-        try:
-            data = orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)
-        except orjson.JSONEncodeError:  # a key that is not a string: nothing of it to route on
-            return None
+        # Encodes whatever the body held: protocol.openai_api.parse_json bounds a body's nesting and
+        # numbers so that it can be encoded again, and this list adds two levels at most.
+        data = orjson.dumps(parts, option=orjson.OPT_SORT_KEYS)
     else:
         return None
     words = min(len(data) // BYTES_PER_ID, max_ids)

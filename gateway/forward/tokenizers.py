@@ -185,7 +185,7 @@ class Tokenizers:
         return _prompt(ids, limits, cut=head.budget.cut)
 
     def status(self) -> dict[str, str]:
-        """Per model: loaded, loading, none (configured so) or the error that left it without one."""
+        """Per model: loaded, loading, none or text (configured so) or the error that left it without one."""
         out = {}
         for model in self._loading:
             if model in self.errors:

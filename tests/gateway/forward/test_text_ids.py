@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +19,7 @@ from gateway.forward.request_view import RequestView, read_request
 from gateway.forward.text_ids import BYTES_PER_ID, text_ids
 from gateway.forward.tokenizers import Tokenizers
 from gateway.gateway_config import Limits
+from protocol.openai_api import MAX_JSON_DEPTH, parse_json
 from tests.support.gateways import SIM_MODEL, RunningGateway, SimWorker
 
 TEXTS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=60)
@@ -64,6 +66,22 @@ def test_a_messages_key_order_does_not_change_its_ids_and_the_tools_come_first()
     assert text_ids(chat(one), 100) == text_ids(chat(other), 100)
     with_tools = text_ids(chat(one, TOOLS), 100)
     assert with_tools is not None and with_tools.tobytes().startswith(b'[{"tools":[')
+
+
+def test_the_deepest_and_largest_body_the_gateway_accepts_still_encodes() -> None:
+    """A client's tools nested as deep as parse_json lets through, and numbers at its bounds: the list
+    the ids are dumped from nests two levels deeper than the body, and orjson still encodes it."""
+    deep: dict[str, Any] = {}
+    inner = deep
+    for _ in range(MAX_JSON_DEPTH - 3):  # the deepest parse_json accepts in a tool
+        inner["a"] = inner = {}
+    numbers = [18446744073709551615, -9223372036854775808, 10**30, 1.7e308]
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [%s, %s]}' % (
+        orjson.dumps(deep),
+        b"[" + b",".join(str(n).encode() for n in numbers) + b"]",
+    )
+    ids = text_ids(read_request("chat", parse_json(raw)), 10**6)
+    assert ids is not None and ids.tobytes().startswith(b'[{"tools":[{"a":{"a":')
 
 
 def test_a_text_model_loads_nothing_and_its_ids_are_never_a_workers_tokens() -> None:
