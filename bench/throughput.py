@@ -7,13 +7,15 @@ at once, on llhttp and uvloop) stands for them, and `--clients` keep-alive clien
 next request when its answer ends (on uvloop where installed), drive it directly, through a
 prefixgate gateway (approximate mode, the default tokenizer: it renders, tokenizes, hashes, matches
 and records every prompt; and beside it one routing on the prompt's text, `tokenizer: text`, which
-skips rendering and tokenizing), and
-through sglang-router's cache_aware policy (a Rust router matching text in a radix tree; from the
-peers venv, bench.peers, left out with the reason when that cannot be made). Every chat is new (a
-pool of distinct chats larger than any phase sends, `--words` words each), non-streaming. Each
-target gets a warm-up and `--duration` seconds, in the order direct, prefixgate, sglang-router, and
-then again in reverse, so that a slow stretch of a shared machine falls on each alike; the table
-gives the better of a target's two phases.
+skips rendering and tokenizing), through sglang-router's cache_aware policy (a Rust router matching
+text in a radix tree; from the peers venv, bench.peers, left out with the reason when that cannot be
+made), and through the floor of the gateway's HTTP stack (bench.floor_proxy: aiohttp and the
+gateway's upstream client, forwarding each body unread), which tells the gateway's own work per
+request from its server's and client's. Every chat is new (a pool of distinct chats larger than any
+phase sends, `--words` words each), non-streaming. Each target gets a warm-up and `--duration`
+seconds, in the order direct, prefixgate, the floor, sglang-router, and then again in reverse, so
+that a slow stretch of a shared machine falls on each alike; the table gives the better of a
+target's two phases.
 
 On a small machine the load generator, the router and the replica share the cores: the req/s is the
 machine's with that router in the path, and the router's CPU per request (/proc) is read beside it.
@@ -51,6 +53,7 @@ from protocol.serving import new_event_loop
 MODEL = "canned"
 PEER = "sglang cache_aware"
 ONE = "prefixgate"
+FLOOR = "aiohttp floor"
 # The issue's bar: prefixgate's req/s at least this share of sglang-router's, on 200-word chats.
 BAR_SHARE = 0.6
 HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer none"}
@@ -143,8 +146,8 @@ def gateway_name(workers: int, tokenizer: str = "default") -> str:
 def targets(
     workdir: Path, peer: bool, gateway_workers: list[int], tokenizers: list[str]
 ) -> Iterator[tuple[dict[str, str], dict[str, Child], dict[str, str]]]:
-    """The replica and the routers in front of it, ready: (URLs by target, the prefixgate gateways by
-    target, why a target is missing)."""
+    """The replica and the routers in front of it, ready: (URLs by target, the processes whose CPU is
+    read (the prefixgate gateways and the floor proxy) by target, why a target is missing)."""
     with Fleet(workdir) as fleet, contextlib.ExitStack() as peers:
         port = free_port()
         command = [sys.executable, "-m", "bench.canned_replica", "--port", str(port), "--model", MODEL]
@@ -165,6 +168,9 @@ def targets(
             for tokenizer in tokenizers
             for n in gateway_workers
         }
+        port = free_port()
+        command = [sys.executable, "-m", "bench.floor_proxy", "--port", str(port), "--upstream", replica.url]
+        gateways[FLOOR] = fleet.add(spawn("floor", command, f"http://127.0.0.1:{port}", workdir))
         wait_healthy(list(gateways.values()))
         urls = {"direct": replica.url, **{name: g.url for name, g in gateways.items()}}
         missing: dict[str, str] = {}
@@ -249,6 +255,7 @@ def _tables(p: dict[str, Any]) -> str:
     rows = []
     shown = [t for t in p["targets"] if t != PEER] + [PEER]
     gateways = [t for t in p["targets"] if t.startswith(ONE)]
+    measured = [*gateways, FLOOR]
     for words, r in p["results"].items():
         rates = r["req_s"]
         peer = rates.get(PEER)
@@ -257,7 +264,7 @@ def _tables(p: dict[str, Any]) -> str:
                 f"{words} words",
                 *(rates.get(t, "-") for t in shown),
                 *((rates[t] / peer if peer else "-") for t in gateways),
-                *(r["cpu_s_per_request"].get(t, 0) * 1e3 for t in gateways),
+                *(r["cpu_s_per_request"].get(t, 0) * 1e3 for t in measured),
                 sum(r["failed"].values()),
             ]
         )
@@ -265,7 +272,7 @@ def _tables(p: dict[str, Any]) -> str:
         "chats",
         *(f"{t} req/s" for t in shown),
         *(f"{t} / peer" for t in gateways),
-        *(f"{t} CPU ms/req" for t in gateways),
+        *(f"{t} CPU ms/req" for t in measured),
         "failed",
     ]
     title = (

@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench.throughput import PEER, chat_bodies
+from bench.throughput import FLOOR, PEER, chat_bodies
 from prefixgate.cli import main
 
 
@@ -51,12 +51,15 @@ def test_cli_measures_the_replica_and_the_gateway(tmp_path: Path) -> None:
     for words in ("20", "60"):
         result = payload["results"][words]
         gateways = {"prefixgate", "prefixgate x2", "prefixgate text", "prefixgate text x2"}
-        assert set(result["req_s"]) == {"direct", *gateways}
+        assert set(result["req_s"]) == {"direct", FLOOR, *gateways}
         assert all(rate > 0 for rate in result["req_s"].values())
         # Each target measured twice (ABBA), its better phase reported.
         assert all(len(p) == 2 for p in result["phases_req_s"].values())
         assert result["req_s"]["prefixgate"] == max(result["phases_req_s"]["prefixgate"])
-        assert result["failed"] == dict.fromkeys(["direct", *gateways], 0)
+        assert result["failed"] == dict.fromkeys(["direct", FLOOR, *gateways], 0)
         # The two-process gateway's CPU is its processes' (the parent alone relays and would read ~0).
-        assert set(result["cpu_s_per_request"]) == gateways
-        assert all(cpu > 0.1e-3 for cpu in result["cpu_s_per_request"].values())
+        assert set(result["cpu_s_per_request"]) == {FLOOR, *gateways}
+        assert all(result["cpu_s_per_request"][g] > 0.1e-3 for g in gateways)
+        # The floor forwards the same requests with none of the gateway's work: it costs less.
+        floor = result["cpu_s_per_request"][FLOOR]
+        assert 0 < floor < min(result["cpu_s_per_request"][g] for g in gateways)
