@@ -20,6 +20,8 @@ target's two phases.
 On a small machine the load generator, the router and the replica share the cores: the req/s is the
 machine's with that router in the path, and the router's CPU per request (/proc) is read beside it.
 `--gateway-workers 1,4` adds prefixgate as `serve --workers 4` (its processes' CPU summed).
+`--collectors tuned,python` adds prefixgate with Python's garbage collector as it comes (gateway.collector:
+`freeze` and `young` each part alone), and each gateway's GC pauses are read from its /metrics.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ import random
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from bench.conversation import sentence
@@ -57,6 +61,13 @@ FLOOR = "aiohttp floor"
 # The issue's bar: prefixgate's req/s at least this share of sglang-router's, on 200-word chats.
 BAR_SHARE = 0.6
 HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer none"}
+# The gateway's `collector` section per --collectors value (gateway.collector): tuned is its default.
+COLLECTORS: dict[str, dict[str, Any]] = {
+    "tuned": {},
+    "python": {"young_threshold": None, "freeze": False},
+    "freeze": {"young_threshold": None},
+    "young": {"freeze": False},
+}
 
 
 # Sentences drawn once per run; a chat is one of them behind a number of its own.
@@ -106,6 +117,21 @@ async def chat_loop(url: str, bodies: Iterator[bytes], clients: int, duration_s:
     return done, failed
 
 
+def gc_pauses(url: str) -> tuple[float, float]:
+    """A gateway's garbage-collection pauses since it started, from its /metrics (every process's, with
+    --workers N): (their total seconds, the longest)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    total = longest = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "prefixgate_gateway_gc_pause_seconds_total":
+                total += sample.value
+            elif sample.name == "prefixgate_gateway_gc_longest_pause_seconds":
+                longest = max(longest, sample.value)
+    return total, longest
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--words",
@@ -132,19 +158,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["default", "text"],
         help="prefixgate's tokenizers, one target each (text: routed on the prompt's text), comma-separated",
     )
+    parser.add_argument(
+        "--collectors",
+        type=lambda text: text.split(","),
+        default=["tuned"],
+        help=f"prefixgate's garbage-collector settings, one target each ({', '.join(COLLECTORS)}), "
+        "comma-separated",
+    )
     parser.add_argument("--no-peer", action="store_true", help="leave sglang-router out")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the results here, and a PNG next to it")
 
 
-def gateway_name(workers: int, tokenizer: str = "default") -> str:
+def gateway_name(workers: int, tokenizer: str = "default", collector: str = "tuned") -> str:
     name = ONE if tokenizer == "default" else f"{ONE} {tokenizer}"
-    return name if workers == 1 else f"{name} x{workers}"
+    name = name if workers == 1 else f"{name} x{workers}"
+    return name if collector == "tuned" else f"{name} gc={collector}"
 
 
 @contextlib.contextmanager
 def targets(
-    workdir: Path, peer: bool, gateway_workers: list[int], tokenizers: list[str]
+    workdir: Path, peer: bool, gateway_workers: list[int], tokenizers: list[str], collectors: list[str]
 ) -> Iterator[tuple[dict[str, str], dict[str, Child], dict[str, str]]]:
     """The replica and the routers in front of it, ready: (URLs by target, the processes whose CPU is
     read (the prefixgate gateways and the floor proxy) by target, why a target is missing)."""
@@ -156,17 +190,19 @@ def targets(
         config = gateway_config(MODEL, [], policy="prefix_aware")
         config["replicas"] = [{"url": replica.url, "id": "canned", "kind": "openai", "model": MODEL}]
         gateways = {
-            gateway_name(n, tokenizer): fleet.add(
+            gateway_name(n, tokenizer, collector): fleet.add(
                 start_gateway(
                     workdir,
-                    f"gateway-{tokenizer}-{n}",
-                    config | {"models": {MODEL: {"tokenizer": tokenizer}}},
+                    f"gateway-{tokenizer}-{n}-{collector}",
+                    config
+                    | {"models": {MODEL: {"tokenizer": tokenizer}}, "collector": COLLECTORS[collector]},
                     "--workers",
                     str(n),
                 )
             )
             for tokenizer in tokenizers
             for n in gateway_workers
+            for collector in collectors
         }
         port = free_port()
         command = [sys.executable, "-m", "bench.floor_proxy", "--port", str(port), "--upstream", replica.url]
@@ -190,11 +226,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "prefixgate bench throughput: --clients, --duration, --words and --gateway-workers must be "
             "positive"
         )
+    unknown = sorted(set(args.collectors) - set(COLLECTORS))
+    if unknown:
+        raise SystemExit(
+            f"prefixgate bench throughput: --collectors {unknown}: choose among {list(COLLECTORS)}"
+        )
     rng = random.Random(args.seed)
     results: dict[int, dict[str, Any]] = {}
     with (
         tempfile.TemporaryDirectory(prefix="prefixgate-throughput-") as tmp,
-        targets(Path(tmp), not args.no_peer, args.gateway_workers, args.tokenizers) as (
+        targets(Path(tmp), not args.no_peer, args.gateway_workers, args.tokenizers, args.collectors) as (
             urls,
             gateways,
             missing,
@@ -207,25 +248,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bodies = chat_bodies(rng, words)
             rates: dict[str, list[float]] = {t: [] for t in order}
             cpu: dict[str, list[float]] = {t: [] for t in gateways}
+            gc_pause: dict[str, list[float]] = {t: [] for t in gateways if t.startswith(ONE)}
             failures = dict.fromkeys(order, 0)
             for target in tqdm(phases, desc=f"{words}-word chats"):
                 runner.run(chat_loop(urls[target], bodies, args.clients, args.warm_up))
                 gateway = gateways.get(target)
                 before = group_cpu_s(gateway.pid) if gateway is not None else 0.0
+                paused = gc_pauses(urls[target])[0] if target in gc_pause else 0.0
                 start = time.perf_counter()
                 done, failed = runner.run(chat_loop(urls[target], bodies, args.clients, args.duration))
                 elapsed = time.perf_counter() - start
                 rates[target].append(done / elapsed)
                 if gateway is not None:
                     cpu[target].append((group_cpu_s(gateway.pid) - before) / max(done, 1))
+                if target in gc_pause:
+                    gc_pause[target].append((gc_pauses(urls[target])[0] - paused) / max(done, 1))
                 failures[target] += failed
             results[words] = {
                 "req_s": {t: max(r) for t, r in rates.items()},
                 "phases_req_s": rates,
                 "failed": failures,
                 "cpu_s_per_request": {t: min(c) for t, c in cpu.items() if c},
+                "gc_s_per_request": {t: min(g) for t, g in gc_pause.items() if g},
             }
         peak_rss = {name: group_peak_rss_bytes(g.pid) / 2**20 for name, g in gateways.items()}
+        longest_gc = {t: gc_pauses(urls[t])[1] for t in gateways if t.startswith(ONE)}
     payload = {
         "config": {
             "clients": args.clients,
@@ -233,10 +280,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "words": args.words,
             "gateway_workers": args.gateway_workers,
             "tokenizers": args.tokenizers,
+            "collectors": args.collectors,
             "cpus": os.cpu_count(),
         },
         "targets": list(urls),
         "peak_rss_mib": peak_rss,
+        "longest_gc_pause_s": longest_gc,
         "missing": missing,
         "results": results,
     }
@@ -265,6 +314,7 @@ def _tables(p: dict[str, Any]) -> str:
                 *(rates.get(t, "-") for t in shown),
                 *((rates[t] / peer if peer else "-") for t in gateways),
                 *(r["cpu_s_per_request"].get(t, 0) * 1e3 for t in measured),
+                *(r["gc_s_per_request"].get(t, 0) * 1e6 for t in gateways),
                 sum(r["failed"].values()),
             ]
         )
@@ -273,6 +323,7 @@ def _tables(p: dict[str, Any]) -> str:
         *(f"{t} req/s" for t in shown),
         *(f"{t} / peer" for t in gateways),
         *(f"{t} CPU ms/req" for t in measured),
+        *(f"{t} GC µs/req" for t in gateways),
         "failed",
     ]
     title = (
@@ -282,5 +333,6 @@ def _tables(p: dict[str, Any]) -> str:
     lines = [format_table(title, header, rows)]
     lines += [f"{target}: {why}" for target, why in p["missing"].items()]
     lines += [f"{t}: peak RSS {mib:.0f} MiB, all its processes" for t, mib in p["peak_rss_mib"].items()]
+    lines += [f"{t}: longest GC pause {s * 1e3:.1f} ms" for t, s in p["longest_gc_pause_s"].items()]
     lines.append(f"bar: prefixgate >= {BAR_SHARE:g}x sglang-router's req/s on 200-word chats")
     return "\n".join(lines)

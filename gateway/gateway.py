@@ -20,6 +20,7 @@ import aiohttp
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from gateway.collector import Pauses, freeze_long_lived, space_young_collections, thaw
 from gateway.fleet.discovery import Probe, ProbeFailed, fetch_load, probe, read_registry
 from gateway.fleet.predictions import Predictions
 from gateway.fleet.replicas import Replica, Source
@@ -64,6 +65,10 @@ class Gateway:
         # The replicas of the `kubernetes` section, watched from the cluster (None: not configured).
         self.kubernetes: KubernetesReplicas | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        # The garbage collector's pauses while this gateway runs (gateway.collector).
+        self.pauses = Pauses()
+        self.state.metrics.watch_collector(self.pauses)
+        self._started = False
 
     async def start(self) -> None:
         limits = self.state.config.limits
@@ -109,8 +114,17 @@ class Gateway:
             self._spawn(self._registry_loop, self.state.config.redis.poll_interval_s)
         else:
             self._spawn(self._load_loop, self.state.config.health.load_interval_s)
+        collector = self.state.config.collector
+        space_young_collections(collector.young_threshold)
+        if collector.freeze:
+            freeze_long_lived()
+        self.pauses.install()
+        self._started = True
 
     async def close(self) -> None:
+        self.pauses.uninstall()
+        if self.state.config.collector.freeze:
+            thaw()
         if self.siblings is not None:
             await self.siblings.close()
         for task in self._tasks:
@@ -177,6 +191,8 @@ class Gateway:
         # A predicted replica's capacity is learned; a foreign backend's configured one is a guess.
         prior = None if precise else capacity_prior(replica.capacity_blocks, guessed=replica.kind == "openai")
         self.state.index.add_replica(replica.id, capacity_blocks=prior, learn=not precise)
+        if self._started and config.collector.freeze:
+            freeze_long_lived()  # its index, which grows for as long as it serves, with the rest
         if events is not None:
             self.zmq_sync.start(
                 replica.id, replica.model, replica.block_size, ZmqSource(events, found.kv_events_replay)

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from gateway.collector import YOUNG_THRESHOLD
 from policies import ConfigError, Role, RoutingConfig
 from policies.routing_config import format_validation_error
 from protocol.vllm_kv_events import check_endpoint, default_replay_endpoint
@@ -244,6 +245,16 @@ class Learning(_Section):
     min_prefill_tokens: int = Field(64, ge=1)
 
 
+class Collector(_Section):
+    """Python's garbage collector under the gateway (gateway.collector), set as it starts (a reload
+    leaves it as it is)."""
+
+    # Net allocations between young collections; null: Python's default (700).
+    young_threshold: int | None = Field(YOUNG_THRESHOLD, ge=1)
+    # Keep what is alive once the gateway is up, and when a replica joins, out of full collections.
+    freeze: bool = True
+
+
 class GatewayConfig(_Section):
     # The default model's name: requests that name no model go there when several are served.
     model: str | None = None
@@ -259,6 +270,7 @@ class GatewayConfig(_Section):
     approximate: Approximate = Approximate()
     responses: Responses = Responses()
     learning: Learning = Learning()
+    collector: Collector = Collector()
     # Names this gateway in shared predictions and logs (default: hostname-pid-random, unique).
     gateway_id: str | None = None
 

@@ -17,6 +17,7 @@ from prometheus_client.core import Metric as MetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
+from gateway.collector import Pauses
 from gateway.forward.prefix_cache import CacheStats
 from gateway.rejections import Rejections
 from protocol.serving import LATENCY_BUCKETS
@@ -229,6 +230,10 @@ class GatewayMetrics:
         scrape: the caches count for themselves, so the request path touches no metric for them."""
         self.registry.register(_CacheCollector(prefixes, chains))
 
+    def watch_collector(self, pauses: Pauses) -> None:
+        """Export the garbage collector's pauses, counted by `pauses` (gateway.collector), at each scrape."""
+        self.registry.register(_PauseCollector(pauses))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -288,3 +293,35 @@ class _CacheCollector:
             value=chains.bytes,
         )
         yield from (lookups, tokens, held, blocks, chain_bytes)
+
+
+class _PauseCollector:
+    """The garbage collector's pauses by generation (0, 1: young; 2: full) since the gateway started:
+    each stops every request on the event loop."""
+
+    def __init__(self, pauses: Pauses) -> None:
+        self._pauses = pauses
+
+    def describe(self) -> list[MetricFamily]:
+        return []
+
+    def collect(self) -> Iterator[MetricFamily]:
+        p = self._pauses
+        collections = CounterMetricFamily(
+            "prefixgate_gateway_gc_collections", "Garbage collections by generation", labels=("generation",)
+        )
+        seconds = CounterMetricFamily(
+            "prefixgate_gateway_gc_pause_seconds",
+            "Time the event loop stood still in garbage collections, by generation",
+            labels=("generation",),
+        )
+        longest = GaugeMetricFamily(
+            "prefixgate_gateway_gc_longest_pause_seconds",
+            "The longest garbage collection so far, by generation",
+            labels=("generation",),
+        )
+        for g, (n, total, most) in enumerate(zip(p.collections, p.seconds, p.longest, strict=True)):
+            collections.add_metric((str(g),), n)
+            seconds.add_metric((str(g),), total)
+            longest.add_metric((str(g),), most)
+        yield from (collections, seconds, longest)

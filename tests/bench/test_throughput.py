@@ -63,3 +63,12 @@ def test_cli_measures_the_replica_and_the_gateway(tmp_path: Path) -> None:
         # The floor forwards the same requests with none of the gateway's work: it costs less.
         floor = result["cpu_s_per_request"][FLOOR]
         assert 0 < floor < min(result["cpu_s_per_request"][g] for g in gateways)
+        # Each gateway's GC pauses, read from its /metrics around each phase.
+        assert set(result["gc_s_per_request"]) == gateways
+        assert all(0 <= s < result["cpu_s_per_request"][g] for g, s in result["gc_s_per_request"].items())
+    assert set(payload["longest_gc_pause_s"]) == gateways
+
+
+def test_an_unknown_collector_setting_is_refused() -> None:
+    with pytest.raises(SystemExit, match="--collectors"):
+        main(["bench", "throughput", "--collectors", "tuned,off", "--no-peer"])

@@ -59,6 +59,9 @@ def start_gateway() -> Iterator[Callable[..., RunningGateway]]:
             "replicas": [{"url": u} for u in urls],
             "models": {SIM_MODEL: {"tokenizer": "default"}},
             "health": {"interval_s": 0.2, "load_interval_s": 0.05},
+            # Gateways in the test runner's own interpreter leave its collector unfrozen: each freeze
+            # collects the whole runner first (tests/gateway/test_collector.py passes collector={}).
+            "collector": {"freeze": False},
             **config,
         }
         app = create_app(parse_config(data))
