@@ -11,7 +11,8 @@ of its own, the same conversations each time: every round is sent direct to the 
 the gateway, in an order that alternates every round so that a noisy second falls on both alike, and
 the gateway's added time is read against the direct sends of its own phase. The last gateway routes
 on the prompt's text (`tokenizer: text`, gateway.forward.text_ids): what is left without any
-tokenizing. Phases, not all paths
+tokenizing. The first and the last are run again with Python's garbage collector as it comes, to
+show what the gateway's settings of it buy (gateway.collector). Phases, not all paths
 in one rotation: a gateway without caches spends milliseconds of tokenizing a round, which would
 leave the next path to run on a CPU whose caches it has just cooled.
 
@@ -49,12 +50,15 @@ from bench.report import bar_panels, format_table, write_json
 from gateway.gateway_config import TEXT_SPEC
 
 # The gateways, each in front of the same worker: (prefix and hash caches MiB, event loop, tokenizer:
-# None for --tokenizer's).
-GATEWAYS: dict[str, tuple[int, str, str | None]] = {
-    "gateway": (64, "auto", None),
-    "gateway, asyncio loop": (64, "asyncio", None),
-    "gateway, no caches, asyncio loop": (0, "asyncio", None),
-    "gateway, routed on text": (64, "auto", TEXT_SPEC),
+# None for --tokenizer's, its `collector` section: {} for the default, gateway.collector).
+PYTHONS_COLLECTOR = {"young_threshold": None, "freeze": False}
+GATEWAYS: dict[str, tuple[int, str, str | None, dict[str, Any]]] = {
+    "gateway": (64, "auto", None, {}),
+    "gateway, Python's collector": (64, "auto", None, PYTHONS_COLLECTOR),
+    "gateway, asyncio loop": (64, "asyncio", None, {}),
+    "gateway, no caches, asyncio loop": (0, "asyncio", None, {}),
+    "gateway, routed on text": (64, "auto", TEXT_SPEC, {}),
+    "gateway, routed on text, Python's collector": (64, "auto", TEXT_SPEC, PYTHONS_COLLECTOR),
 }
 PATHS = ("direct", *GATEWAYS)
 # The bar for a growing conversation: added TTFT p50 over direct, with the cache.
@@ -176,12 +180,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 start_gateway(
                     workdir,
                     f"gateway-{i}",
-                    _gateway(spec.model, worker.url, mib, tokenizer or args.tokenizer),
+                    _gateway(spec.model, worker.url, mib, tokenizer or args.tokenizer)
+                    | {"collector": collector},
                     "--event-loop",
                     loop,
                 )
             )
-            for i, (path, (mib, loop, tokenizer)) in enumerate(GATEWAYS.items())
+            for i, (path, (mib, loop, tokenizer, collector)) in enumerate(GATEWAYS.items())
         }
         wait_healthy(list(gateways.values()))
         urls = {"direct": worker.url, **{path: g.url for path, g in gateways.items()}}
