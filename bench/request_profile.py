@@ -13,8 +13,9 @@ the gateway's CPU per request.
 
 Shapes: distinct chats of 50, 200 and 600 words (nothing shared, nothing cached: a new user's first
 turn), a distinct 2,000-token-id completion (no tokenizing), and rounds 31-60 of growing conversations
-(a 1,500-word system prompt, 40-word turns: 6k-9k tokens), with the caches and without. Each timing
-is the median over `--requests` requests of that shape.
+(a 1,500-word system prompt, 40-word turns: 6k-9k tokens), with the caches and without; and the
+200-word chat again with 256 requests in flight on each replica (a replica's load is read at every
+decision). Each timing is the median over `--requests` requests of that shape.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from bench.conversation import conversation, sentence
 from bench.report import format_table, write_json
 from gateway.fleet.expectations import expect, record
 from gateway.fleet.predictions import Predictions
-from gateway.fleet.replicas import Replica
+from gateway.fleet.replicas import LoadReport, Replica, ReplicaSet
 from gateway.forward.request_view import read_request
 from gateway.forward.router import decide
 from gateway.forward.tokenizers import Tokenizers
@@ -72,6 +73,9 @@ class Shape:
     bodies: Bodies
     # The tokenizer, when not --tokenizer's: "text" routes on the prompt's text (gateway.forward.text_ids).
     tokenizer: str | None = None
+    # Requests in flight on each replica while it is timed (half of them past their first token): what
+    # a replica's load is read from at every decision.
+    inflight: int = 0
 
 
 def _chats(words: int) -> Bodies:
@@ -105,6 +109,7 @@ def shapes() -> list[Shape]:
     return [
         Shape("chat, 50 words, new", "chat", True, _chats(50)),
         Shape("chat, 200 words, new", "chat", True, _chats(200)),
+        Shape("chat, 200 words, new, 256 in flight a replica", "chat", True, _chats(200), inflight=256),
         Shape("chat, 600 words, new", "chat", True, _chats(600)),
         Shape("completion, 2k ids, new", "completions", True, _ids(2000)),
         Shape("conversation turn, caches", "chat", True, _turns),
@@ -150,8 +155,15 @@ async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "def
         Replica(f"r{i}", f"http://r{i}", "openai", MODEL, BLOCK_SIZE, None, 8192, "config", 10_000.0)
         for i in range(REPLICAS)
     ]
+    load = ReplicaSet()
     for r in replicas:
         index.add_replica(r.id, learn=True)
+        load.add(r)
+        r.report = LoadReport(running=1, at=0.0)
+        for n in range(shape.inflight):
+            handle = load.dispatched(r, 1.0 + n, prefill_tokens=200, kv_blocks=13)
+            if n % 2:
+                load.started(r, handle, ttft_s=0.1, alpha=0.2, min_tokens=1)
     predictions = Predictions(index, ttl_s=300.0)
     policy = build_policy(RoutingConfig())
     chains = ChainCache(cache_bytes)

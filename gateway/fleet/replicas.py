@@ -3,7 +3,10 @@
 Load has two parts. A replica reports its queue (over HTTP, or through Redis) every fraction of a
 second; between reports the gateway adds what it has itself placed there since, so a burst of
 arrivals does not all pile onto the replica that looked idle at the last report. Requests still
-running are in the next report, so only those dispatched after the report's time are added.
+running are in the next report, so only those dispatched after the report's time are added. That sum
+is kept as requests come, start and end (Unreported), and counted afresh only when a report arrives:
+a routing decision reads every replica's load, and a scan of its requests in flight for each would
+cost a decision time in proportion to the fleet's concurrency.
 
 With `serve --workers N` the gateway is N processes routing as one: each tells the others what it
 placed (gateway.sync.siblings), and their requests count in a replica's load beside its own.
@@ -59,6 +62,33 @@ class InFlight:
 
 
 @dataclass(slots=True)
+class Unreported:
+    """What the gateway placed on a replica after its last report: requests running and waiting, the
+    waiting ones' prefill tokens, and the KV blocks all of them take."""
+
+    running: int = 0
+    waiting: int = 0
+    queued: int = 0
+    kv_blocks: int = 0
+
+    def add(self, req: InFlight) -> None:
+        self.kv_blocks += req.kv_blocks
+        if req.started:
+            self.running += 1
+        else:
+            self.waiting += 1
+            self.queued += req.prefill_tokens
+
+    def remove(self, req: InFlight) -> None:
+        self.kv_blocks -= req.kv_blocks
+        if req.started:
+            self.running -= 1
+        else:
+            self.waiting -= 1
+            self.queued -= req.prefill_tokens
+
+
+@dataclass(slots=True)
 class Replica:
     id: str
     url: str
@@ -83,10 +113,12 @@ class Replica:
     failures: int = 0
     # Gateway monotonic time this replica last went unhealthy (None while healthy).
     down_since: float | None = None
-    report: LoadReport = field(default_factory=LoadReport)
+    _report: LoadReport = field(default_factory=LoadReport)
+    # Requests in flight here, by handle (ReplicaSet.dispatched), and the sibling processes' by
+    # (sibling, its handle): changed through ReplicaSet, which keeps `_unreported` their sum.
     inflight: dict[int, InFlight] = field(default_factory=dict)
-    # The sibling processes' requests in flight here, by (sibling, its handle).
     sibling_inflight: dict[tuple[int, int], InFlight] = field(default_factory=dict)
+    _unreported: Unreported = field(default_factory=Unreported)
     # Prefill/decode disaggregation (policies.pd): its role, how a foreign one moves KV to its pair
     # (None: prefixgate's own), and an SGLang prefill server's bootstrap port.
     role: Role = "mixed"
@@ -108,30 +140,47 @@ class Replica:
     def routable(self) -> bool:
         return self.healthy and not self.draining
 
+    @property
+    def report(self) -> LoadReport:
+        return self._report
+
+    @report.setter
+    def report(self, report: LoadReport) -> None:
+        """A new report: the requests it covers (dispatched by its time) leave the gateway's own sum."""
+        self._report = report
+        self._unreported = Unreported()
+        for req in itertools.chain(self.inflight.values(), self.sibling_inflight.values()):
+            self.add_unreported(req)
+
     def load(self) -> tuple[int, int, int]:
         """(running, waiting, queued prefill tokens): the last report plus the gateway's own since."""
-        running, waiting, queued = self.report.running, self.report.waiting, self.report.queued_prefill_tokens
-        for req in itertools.chain(self.inflight.values(), self.sibling_inflight.values()):
-            if req.dispatched <= self.report.at:
-                continue
-            if req.started:
-                running += 1
-            else:
-                waiting += 1
-                queued += req.prefill_tokens
-        return running, waiting, queued
+        own, report = self._unreported, self._report
+        return (
+            report.running + own.running,
+            report.waiting + own.waiting,
+            report.queued_prefill_tokens + own.queued,
+        )
 
     def free_blocks(self) -> int | None:
         """KV blocks no sequence holds, as last reported less what the gateway placed there since (None:
         not reported, as for a foreign backend)."""
-        if self.report.kv_blocks_total <= 0:
+        report = self._report
+        if report.kv_blocks_total <= 0:
             return None
-        placed = sum(
-            r.kv_blocks
-            for r in itertools.chain(self.inflight.values(), self.sibling_inflight.values())
-            if r.dispatched > self.report.at
-        )
-        return max(self.report.kv_blocks_total - self.report.kv_blocks_used - placed, 0)
+        return max(report.kv_blocks_total - report.kv_blocks_used - self._unreported.kv_blocks, 0)
+
+    def add_unreported(self, req: InFlight) -> None:
+        if req.dispatched > self._report.at:
+            self._unreported.add(req)
+
+    def remove_unreported(self, req: InFlight) -> None:
+        if req.dispatched > self._report.at:
+            self._unreported.remove(req)
+
+    def mark_started(self, req: InFlight) -> None:
+        self.remove_unreported(req)
+        req.started = True
+        self.add_unreported(req)
 
     def view(self, matched_blocks: int, cached_blocks: int, prefill_rate: float) -> ReplicaView:
         """What a policy sees: this request's match, the load, how many blocks the index holds for the
@@ -246,9 +295,9 @@ class ReplicaSet:
         `kv_blocks` more KV blocks; returns the handle for `started` and `finished`."""
         handle = next(self._request_ids)
         queued = replica.load()[2]
-        replica.inflight[handle] = InFlight(
-            now, prefill_tokens, queued, recorded_tick=recorded_tick, kv_blocks=kv_blocks
-        )
+        req = InFlight(now, prefill_tokens, queued, recorded_tick=recorded_tick, kv_blocks=kv_blocks)
+        replica.inflight[handle] = req
+        replica.add_unreported(req)
         if self.announce is not None:
             self.announce(("dispatched", replica.id, handle, now, prefill_tokens, kv_blocks))
         return handle
@@ -258,7 +307,7 @@ class ReplicaSet:
         req = replica.inflight.get(handle)
         if req is None or req.started:
             return
-        req.started = True
+        replica.mark_started(req)
         if self.announce is not None:
             self.announce(("started", replica.id, handle))
         work = req.prefill_tokens + req.queued_ahead
@@ -269,7 +318,11 @@ class ReplicaSet:
             replica.speed_seconds += SPEED_ALPHA * (ttft_s - replica.speed_seconds)
 
     def finished(self, replica: Replica, handle: int) -> None:
-        if replica.inflight.pop(handle, None) is not None and self.announce is not None:
+        req = replica.inflight.pop(handle, None)
+        if req is None:
+            return
+        replica.remove_unreported(req)
+        if self.announce is not None:
             self.announce(("finished", replica.id, handle))
 
     # -- the siblings' accounting (gateway.sync.siblings) --------------------------------------
@@ -279,22 +332,29 @@ class ReplicaSet:
     ) -> None:
         """A sibling placed a request here at `at` (monotonic: one clock for every process of a host)."""
         replica = self._by_id.get(replica_id)
-        if replica is not None:
-            replica.sibling_inflight[sibling, handle] = InFlight(at, prefill_tokens, 0, kv_blocks=kv_blocks)
+        if replica is None:
+            return
+        req = InFlight(at, prefill_tokens, 0, kv_blocks=kv_blocks)
+        old = replica.sibling_inflight.get((sibling, handle))
+        if old is not None:  # announced twice: the later one stands
+            replica.remove_unreported(old)
+        replica.sibling_inflight[sibling, handle] = req
+        replica.add_unreported(req)
 
     def sibling_started(self, sibling: int, replica_id: str, handle: int) -> None:
         replica = self._by_id.get(replica_id)
         req = replica.sibling_inflight.get((sibling, handle)) if replica is not None else None
-        if req is not None:
-            req.started = True
+        if replica is not None and req is not None and not req.started:
+            replica.mark_started(req)
 
     def sibling_finished(self, sibling: int, replica_id: str, handle: int) -> None:
         replica = self._by_id.get(replica_id)
-        if replica is not None:
-            replica.sibling_inflight.pop((sibling, handle), None)
+        req = replica.sibling_inflight.pop((sibling, handle), None) if replica is not None else None
+        if replica is not None and req is not None:
+            replica.remove_unreported(req)
 
     def sibling_gone(self, sibling: int) -> None:
         """A sibling exited: its requests ended with it."""
         for replica in self._by_id.values():
             for key in [k for k in replica.sibling_inflight if k[0] == sibling]:
-                del replica.sibling_inflight[key]
+                replica.remove_unreported(replica.sibling_inflight.pop(key))

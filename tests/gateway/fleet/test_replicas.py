@@ -3,9 +3,13 @@ rate learned from TTFTs, and the routing decision over the index."""
 
 from __future__ import annotations
 
-import pytest
+import itertools
 
-from gateway.fleet.replicas import LoadReport, ReplicaSet
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.fleet.replicas import LoadReport, Replica, ReplicaSet
 from gateway.forward.router import MIN_SPEED_SAMPLES, decide, routing_rates
 from policies import RoutingConfig, build_pd, build_policy
 from radix import RadixIndex, block_hashes
@@ -189,3 +193,83 @@ def test_a_siblings_requests_count_in_the_load_and_end_with_it() -> None:
     replicas.finished(r, own)  # told once
     assert r.load() == (1, 0, 0) and set(r.sibling_inflight) == {(1, 7)}
     assert told == [("dispatched", "a", own, 4.0, 50, 1), ("started", "a", own), ("finished", "a", own)]
+
+
+def _scanned(r: Replica) -> tuple[tuple[int, int, int], int | None]:
+    """load() and free_blocks() as a scan of every request in flight would give them."""
+    running, waiting, queued, placed = r.report.running, r.report.waiting, r.report.queued_prefill_tokens, 0
+    for req in itertools.chain(r.inflight.values(), r.sibling_inflight.values()):
+        if req.dispatched <= r.report.at:
+            continue
+        placed += req.kv_blocks
+        if req.started:
+            running += 1
+        else:
+            waiting += 1
+            queued += req.prefill_tokens
+    free = None
+    if r.report.kv_blocks_total > 0:
+        free = max(r.report.kv_blocks_total - r.report.kv_blocks_used - placed, 0)
+    return (running, waiting, queued), free
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [
+                "dispatch",
+                "start",
+                "finish",
+                "report",
+                "sibling",
+                "sibling_start",
+                "sibling_end",
+                "sibling_gone",
+            ]
+        ),
+        st.integers(0, 7),
+        st.integers(0, 500),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_OPS)
+def test_the_load_kept_as_requests_come_and_go_is_the_one_a_scan_reads(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    """The sum of what was placed after the last report is kept as requests are dispatched, start and
+    end (here and in siblings) and recounted at each report: after any sequence, it equals a scan."""
+    replicas = ReplicaSet()
+    r = replica("a")
+    replicas.add(r)
+    clock = itertools.count(1)
+    handles: list[int] = []
+    for op, k, n in ops:
+        now = float(next(clock))
+        if op == "dispatch":
+            handles.append(replicas.dispatched(r, now, prefill_tokens=n, kv_blocks=n // 16))
+        elif op == "start" and handles:
+            replicas.started(r, handles[k % len(handles)], ttft_s=0.1, alpha=0.5, min_tokens=1)
+        elif op == "finish" and handles:
+            replicas.finished(r, handles.pop(k % len(handles)))
+        elif op == "report":
+            # A report describes some earlier moment, or none yet seen (at may go back: a slow poll).
+            r.report = LoadReport(
+                running=k,
+                waiting=k // 2,
+                queued_prefill_tokens=n,
+                kv_blocks_used=n,
+                kv_blocks_total=n + 300,
+                at=now - k,
+            )
+        elif op == "sibling":
+            replicas.sibling_dispatched(k % 2, "a", k, now - n % 3, prefill_tokens=n, kv_blocks=n // 16)
+        elif op == "sibling_start":
+            replicas.sibling_started(k % 2, "a", k)
+        elif op == "sibling_end":
+            replicas.sibling_finished(k % 2, "a", k)
+        elif op == "sibling_gone":
+            replicas.sibling_gone(k % 2)
+        assert (r.load(), r.free_blocks()) == _scanned(r)
