@@ -16,14 +16,15 @@ Pure state, no I/O: discovery (gateway.fleet.discovery) and the request path upd
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
 from policies import ReplicaView, Role
-from radix.capacity import pending_horizon
 from radix.reports import ReportedUnit
 
 # The weight of one TTFT in a replica's speed: about the last 1 / SPEED_ALPHA TTFTs count. One TTFT's
@@ -119,6 +120,9 @@ class Replica:
     inflight: dict[int, InFlight] = field(default_factory=dict)
     sibling_inflight: dict[tuple[int, int], InFlight] = field(default_factory=dict)
     _unreported: Unreported = field(default_factory=Unreported)
+    # (recorded tick, handle) of own requests recorded in the index and placed here, a min-heap whose
+    # entries for requests since started or ended are dropped when they reach its top (pending_horizon).
+    _recorded: list[tuple[int, int]] = field(default_factory=list)
     # Prefill/decode disaggregation (policies.pd): its role, how a foreign one moves KV to its pair
     # (None: prefixgate's own), and an SGLang prefill server's bootstrap port.
     role: Role = "mixed"
@@ -204,8 +208,27 @@ class Replica:
         )
 
     def pending_horizon(self) -> float:
-        """Of the requests in flight here (radix.capacity.pending_horizon)."""
-        return pending_horizon(self.inflight.values())
+        """Of the requests in flight here (radix.capacity.pending_horizon), read off a heap rather than a
+        scan of them all: it is read at every decision and every answer."""
+        recorded, inflight = self._recorded, self.inflight
+        while recorded:
+            req = inflight.get(recorded[0][1])
+            if req is not None and not req.started:
+                return recorded[0][0]
+            heapq.heappop(recorded)
+        return math.inf
+
+    def add_recorded(self, handle: int, req: InFlight) -> None:
+        if req.recorded_tick is None:
+            return
+        heapq.heappush(self._recorded, (req.recorded_tick, handle))
+        if len(self._recorded) > 2 * len(self.inflight) + 64:  # ended requests under a long-waiting top
+            self._recorded = [
+                (r.recorded_tick, h)
+                for h, r in self.inflight.items()
+                if r.recorded_tick is not None and not r.started
+            ]
+            heapq.heapify(self._recorded)
 
     def to_json(self) -> dict[str, object]:
         running, waiting, queued = self.load()
@@ -298,6 +321,7 @@ class ReplicaSet:
         req = InFlight(now, prefill_tokens, queued, recorded_tick=recorded_tick, kv_blocks=kv_blocks)
         replica.inflight[handle] = req
         replica.add_unreported(req)
+        replica.add_recorded(handle, req)
         if self.announce is not None:
             self.announce(("dispatched", replica.id, handle, now, prefill_tokens, kv_blocks))
         return handle

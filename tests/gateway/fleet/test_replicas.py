@@ -13,6 +13,7 @@ from gateway.fleet.replicas import LoadReport, Replica, ReplicaSet
 from gateway.forward.router import MIN_SPEED_SAMPLES, decide, routing_rates
 from policies import RoutingConfig, build_pd, build_policy
 from radix import RadixIndex, block_hashes
+from radix.capacity import pending_horizon
 from tests.support.replicas import MODEL, replica
 
 
@@ -249,7 +250,10 @@ def test_the_load_kept_as_requests_come_and_go_is_the_one_a_scan_reads(
     for op, k, n in ops:
         now = float(next(clock))
         if op == "dispatch":
-            handles.append(replicas.dispatched(r, now, prefill_tokens=n, kv_blocks=n // 16))
+            tick = None if k == 7 else n  # any order of ticks; some requests not recorded
+            handles.append(
+                replicas.dispatched(r, now, prefill_tokens=n, recorded_tick=tick, kv_blocks=n // 16)
+            )
         elif op == "start" and handles:
             replicas.started(r, handles[k % len(handles)], ttft_s=0.1, alpha=0.5, min_tokens=1)
         elif op == "finish" and handles:
@@ -273,3 +277,18 @@ def test_the_load_kept_as_requests_come_and_go_is_the_one_a_scan_reads(
         elif op == "sibling_gone":
             replicas.sibling_gone(k % 2)
         assert (r.load(), r.free_blocks()) == _scanned(r)
+        assert r.pending_horizon() == pending_horizon(r.inflight.values())
+
+
+def test_requests_that_end_under_a_long_waiting_one_do_not_pile_up_in_the_horizons_heap() -> None:
+    replicas = ReplicaSet()
+    r = replica("a")
+    replicas.add(r)
+    stuck = replicas.dispatched(r, 0.0, prefill_tokens=10, recorded_tick=1)
+    for n in range(1000):
+        replicas.finished(r, replicas.dispatched(r, 1.0 + n, prefill_tokens=10, recorded_tick=2 + n))
+        # At most two in flight as each is placed: the heap is compacted past 2 x 2 + 64 entries.
+        assert len(r._recorded) <= 2 * 2 + 65
+    assert r.pending_horizon() == 1
+    replicas.started(r, stuck, ttft_s=0.1, alpha=0.5, min_tokens=1)
+    assert r.pending_horizon() == float("inf")
