@@ -42,7 +42,15 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from bench.local_fleet import Fleet, SimWorkers, gateway_config, start_gateway, start_worker, wait_healthy
+from bench.local_fleet import (
+    COLLECTORS,
+    Fleet,
+    SimWorkers,
+    gateway_config,
+    start_gateway,
+    start_worker,
+    wait_healthy,
+)
 from bench.overhead_phases import instant_profile
 from bench.procfs import cpu_s, proc_stat
 from bench.replay_result import latency_stats
@@ -50,8 +58,8 @@ from bench.report import bar_panels, format_table, write_json
 from gateway.gateway_config import TEXT_SPEC
 
 # The gateways, each in front of the same worker: (prefix and hash caches MiB, event loop, tokenizer:
-# None for --tokenizer's, its `collector` section: {} for the default, gateway.collector).
-PYTHONS_COLLECTOR = {"young_threshold": None, "freeze": False}
+# None for --tokenizer's, its `collector` section: bench.local_fleet.COLLECTORS).
+PYTHONS_COLLECTOR = COLLECTORS["python"]
 GATEWAYS: dict[str, tuple[int, str, str | None, dict[str, Any]]] = {
     "gateway": (64, "auto", None, {}),
     "gateway, Python's collector": (64, "auto", None, PYTHONS_COLLECTOR),

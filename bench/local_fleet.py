@@ -115,6 +115,16 @@ def worker_command(spec: SimWorkers, worker_id: str, port: int) -> list[str]:
     return [*command, "--log-level", "WARNING"]
 
 
+# A gateway's `collector` section by name (gateway.collector): "tuned" is its default, "python" Python's
+# collector as it comes, "freeze" and "young" each half of the default alone.
+COLLECTORS: dict[str, dict[str, Any]] = {
+    "tuned": {},
+    "python": {"young_threshold": None, "freeze": False},
+    "freeze": {"young_threshold": None},
+    "young": {"freeze": False},
+}
+
+
 def gateway_config(
     model: str,
     worker_urls: Sequence[str],

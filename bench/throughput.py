@@ -45,7 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from bench.conversation import sentence
-from bench.local_fleet import Child, Fleet, gateway_config, spawn, start_gateway, wait_healthy
+from bench.local_fleet import COLLECTORS, Child, Fleet, gateway_config, spawn, start_gateway, wait_healthy
 from bench.peers import peer_router
 from bench.procfs import group_cpu_s, group_peak_rss_bytes
 from bench.report import bar_panels, format_table, write_json
@@ -61,13 +61,6 @@ FLOOR = "aiohttp floor"
 # The bar: prefixgate's req/s at least this share of sglang-router's, on 200-word chats.
 BAR_SHARE = 0.6
 HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer none"}
-# The gateway's `collector` section per --collectors value (gateway.collector): tuned is its default.
-COLLECTORS: dict[str, dict[str, Any]] = {
-    "tuned": {},
-    "python": {"young_threshold": None, "freeze": False},
-    "freeze": {"young_threshold": None},
-    "young": {"freeze": False},
-}
 
 
 # Sentences drawn once per run; a chat is one of them behind a number of its own.
@@ -189,7 +182,7 @@ def targets(
         wait_healthy([replica])
         config = gateway_config(MODEL, [], policy="prefix_aware")
         config["replicas"] = [{"url": replica.url, "id": "canned", "kind": "openai", "model": MODEL}]
-        gateways = {
+        processes = {
             gateway_name(n, tokenizer, collector): fleet.add(
                 start_gateway(
                     workdir,
@@ -206,9 +199,9 @@ def targets(
         }
         port = free_port()
         command = [sys.executable, "-m", "bench.floor_proxy", "--port", str(port), "--upstream", replica.url]
-        gateways[FLOOR] = fleet.add(spawn("floor", command, f"http://127.0.0.1:{port}", workdir))
-        wait_healthy(list(gateways.values()))
-        urls = {"direct": replica.url, **{name: g.url for name, g in gateways.items()}}
+        processes[FLOOR] = fleet.add(spawn("floor", command, f"http://127.0.0.1:{port}", workdir))
+        wait_healthy(list(processes.values()))
+        urls = {"direct": replica.url, **{name: p.url for name, p in processes.items()}}
         missing: dict[str, str] = {}
         if peer:
             try:
@@ -217,7 +210,7 @@ def targets(
                 missing[PEER] = str(error).splitlines()[0]
         else:
             missing[PEER] = "left out (--no-peer)"
-        yield urls, gateways, missing
+        yield urls, processes, missing
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -237,30 +230,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tempfile.TemporaryDirectory(prefix="prefixgate-throughput-") as tmp,
         targets(Path(tmp), not args.no_peer, args.gateway_workers, args.tokenizers, args.collectors) as (
             urls,
-            gateways,
+            processes,
             missing,
         ),
         asyncio.Runner(loop_factory=new_event_loop) as runner,
     ):
         order = list(urls)
         phases = order + order[::-1]
+        gateways = [t for t in processes if t != FLOOR]
         for words in args.words:
             bodies = chat_bodies(rng, words)
             rates: dict[str, list[float]] = {t: [] for t in order}
-            cpu: dict[str, list[float]] = {t: [] for t in gateways}
-            gc_pause: dict[str, list[float]] = {t: [] for t in gateways if t.startswith(ONE)}
+            cpu: dict[str, list[float]] = {t: [] for t in processes}
+            gc_pause: dict[str, list[float]] = {t: [] for t in gateways}
             failures = dict.fromkeys(order, 0)
             for target in tqdm(phases, desc=f"{words}-word chats"):
                 runner.run(chat_loop(urls[target], bodies, args.clients, args.warm_up))
-                gateway = gateways.get(target)
-                before = group_cpu_s(gateway.pid) if gateway is not None else 0.0
+                process = processes.get(target)
+                before = group_cpu_s(process.pid) if process is not None else 0.0
                 paused = gc_pauses(urls[target])[0] if target in gc_pause else 0.0
                 start = time.perf_counter()
                 done, failed = runner.run(chat_loop(urls[target], bodies, args.clients, args.duration))
                 elapsed = time.perf_counter() - start
                 rates[target].append(done / elapsed)
-                if gateway is not None:
-                    cpu[target].append((group_cpu_s(gateway.pid) - before) / max(done, 1))
+                if process is not None:
+                    cpu[target].append((group_cpu_s(process.pid) - before) / max(done, 1))
                 if target in gc_pause:
                     gc_pause[target].append((gc_pauses(urls[target])[0] - paused) / max(done, 1))
                 failures[target] += failed
@@ -271,8 +265,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "cpu_s_per_request": {t: min(c) for t, c in cpu.items() if c},
                 "gc_s_per_request": {t: min(g) for t, g in gc_pause.items() if g},
             }
-        peak_rss = {name: group_peak_rss_bytes(g.pid) / 2**20 for name, g in gateways.items()}
-        longest_gc = {t: gc_pauses(urls[t])[1] for t in gateways if t.startswith(ONE)}
+        peak_rss = {name: group_peak_rss_bytes(p.pid) / 2**20 for name, p in processes.items()}
+        longest_gc = {t: gc_pauses(urls[t])[1] for t in gateways}
     payload = {
         "config": {
             "clients": args.clients,

@@ -3,7 +3,7 @@ collections, its young collections spaced out, and its pauses counted.
 
 A full collection walks every tracked container, and the index keeps each replica's blocks in an
 OrderedDict, which the collector tracks whatever it holds: with a few million blocks one full
-collection took ~90 ms here (a stall of every request in flight), and under load one came every few
+collection took 120-135 ms here (a stall of every request in flight), and under load one came every few
 seconds. They came that often because young collections, by default every 700 net allocations (every
 ~30 requests), promoted the objects of the requests then in flight, and enough promotions set off a
 full collection. So, once the gateway is up and each time a replica joins the index, what is alive is
