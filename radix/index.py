@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 from radix.capacity import Learner, Predicted
 
 NEVER = math.inf
+# Hashes of removed entries the deadline rows may hold beyond half the live timed entries before they
+# are trimmed, and beyond all of them before the rows are rebuilt whole.
+DEADLINE_SLACK = 1024
 
 
 @dataclass(slots=True)
@@ -151,49 +154,24 @@ class RadixIndex:
             else:
                 self._insert_timed(replica, state, hashes, expires_at)
         finally:
-            self._bound(replica, state)
+            self._bound(state, len(hashes))
 
-    def _bound(self, replica: str, state: _Replica) -> None:
-        blocks = state.blocks
-        if state.capacity is not None:
-            while len(blocks) > state.capacity:
-                self._evict_oldest(replica, state)
+    def _bound(self, state: _Replica, added: int) -> None:
+        if state.capacity is not None and len(state.blocks) > state.capacity:
+            self._evict_oldest(state, len(state.blocks) - state.capacity)
         if self.max_entries is not None:
             while self._entries > self.max_entries:
-                largest = max(self._replicas.items(), key=lambda item: len(item[1].blocks))
-                self._evict_oldest(*largest, ghost=False)
-        if self._deadline_refs > 2 * self._timed + 1024:
+                self._evict_largest(self._entries - self.max_entries)
+        if self._deadline_refs > self._timed + self._timed // 2 + DEADLINE_SLACK:
+            self._trim_deadlines(max(2 * added, DEADLINE_SLACK // 16))
+        if self._deadline_refs > 2 * self._timed + DEADLINE_SLACK:
             self._compact_deadlines()
 
     def remove(self, replica: str, hashes: Iterable[int]) -> None:
         """A `removed` event: the replica evicted these blocks. Unknown hashes are ignored."""
         state = self._state(replica)
         pop = state.blocks.pop
-        holders, pinned = self._holders, state.pinned
-        keep = ~(1 << state.bit)
-        removed = timed = 0
-        ticks = state.learner.ticks if state.learner is not None else None
-        try:
-            # _release inlined: this loop runs for every block a fleet evicts.
-            for h in hashes:
-                expiry = pop(h, None)
-                if expiry is None:
-                    continue
-                if ticks is not None:
-                    del ticks[h]
-                if h not in pinned:
-                    rest = holders[h] & keep
-                    if rest:
-                        holders[h] = rest
-                    else:
-                        del holders[h]
-                removed += 1
-                if expiry != NEVER:
-                    timed += 1
-        finally:
-            # Settled even when a hash that cannot be a key stops the loop: the counts stay exact.
-            self._entries -= removed
-            self._timed -= timed
+        self._drop(state, ((h, e) for h in hashes if (e := pop(h, None)) is not None), ghost=False)
 
     def pin(self, replica: str, hashes: Iterable[int]) -> None:
         """A request was sent to an exact replica: its prompt's blocks count as held there until it ends
@@ -290,8 +268,8 @@ class RadixIndex:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
         state = self._state(replica)
         state.capacity = capacity_blocks
-        while len(state.blocks) > capacity_blocks:
-            self._evict_oldest(replica, state)
+        if len(state.blocks) > capacity_blocks:
+            self._evict_oldest(state, len(state.blocks) - capacity_blocks)
 
     # -- learning ---------------------------------------------------------------------------
 
@@ -309,7 +287,7 @@ class RadixIndex:
         if lacked is not None:
             blocks, ticks = state.blocks, learner.ticks
             while blocks and ticks[next(iter(blocks))] <= lacked:
-                self._evict_oldest(replica, state, ghost=False)
+                self._evict_oldest(state, ghost=False)
             state.capacity = learner.bound(len(blocks))
             return
         regained = learner.regained(predicted, realised, state.capacity, len(state.blocks))
@@ -399,15 +377,47 @@ class RadixIndex:
             raise ValueError(f"replica {replica!r} does not learn its capacity")
         return learner
 
-    def _evict_oldest(self, replica: str, state: _Replica, ghost: bool = True) -> None:
-        """Drop the least recently used block; a learning replica's capacity bound remembers it."""
-        h, expiry = state.blocks.popitem(last=False)
-        self._forget(h, state, expiry)
+    def _evict_largest(self, excess: int) -> None:
+        """Past the global bound: the largest replica gives up its least recently used entries until it
+        is down to the next largest, at most `excess` and at least one. The same entries go as one at a
+        time from whichever is largest, with the largest found once a batch, not once an entry."""
+        largest = max(self._replicas.values(), key=lambda state: len(state.blocks))
+        runner_up = max((len(s.blocks) for s in self._replicas.values() if s is not largest), default=0)
+        self._evict_oldest(largest, max(min(excess, len(largest.blocks) - runner_up), 1), ghost=False)
+
+    def _evict_oldest(self, state: _Replica, count: int = 1, ghost: bool = True) -> None:
+        """Drop the `count` least recently used blocks (at most as many as it holds); a learning
+        replica's capacity bound remembers them as ghosts."""
+        popitem = state.blocks.popitem
+        self._drop(state, (popitem(last=False) for _ in range(count)), ghost)
+
+    def _drop(self, state: _Replica, dropped: Iterable[tuple[int, float]], ghost: bool) -> None:
+        """Account for (hash, expiry) entries taken out of `state.blocks`: their holder bits cleared
+        unless pinned, their ticks and counts gone, each a ghost if `ghost`. _forget inlined: this loop
+        runs for every block a fleet evicts, and at the bound for every new one."""
+        holders, pinned = self._holders, state.pinned
+        keep = ~(1 << state.bit)
         learner = state.learner
-        if learner is not None:
-            del learner.ticks[h]
-            if ghost:
-                learner.evicted(h, state.capacity)
+        ticks = learner.ticks if learner is not None else None
+        count = timed = 0
+        try:
+            for h, expiry in dropped:
+                count += 1
+                timed += expiry != NEVER
+                if h not in pinned:
+                    rest = holders[h] & keep
+                    if rest:
+                        holders[h] = rest
+                    else:
+                        del holders[h]
+                if ticks is not None:
+                    del ticks[h]
+                    if ghost:
+                        learner.evicted(h, state.capacity)  # type: ignore[union-attr]
+        finally:
+            # Settled even when a hash that cannot be a key stops the loop: the counts stay exact.
+            self._entries -= count
+            self._timed -= timed
 
     def _forget(self, h: int, state: _Replica, expiry: float) -> None:
         """An entry left `state.blocks`: counted out, and its holder bit cleared unless pinned."""
@@ -426,6 +436,27 @@ class RadixIndex:
             self._holders[h] = rest
         else:
             del self._holders[h]
+
+    def _trim_deadlines(self, budget: int) -> None:
+        """The rows due first rid of the hashes their replica no longer holds, until `budget` hashes were
+        looked at. Where entries leave by a bound, the least recently used go first, and their rows are
+        the ones due first: trimmed a little at each insert, the rows stay bounded without a rebuild,
+        which at millions of entries stalls every request for seconds."""
+        heap, replicas = self._deadlines, self._replicas
+        kept = []
+        seen = 0
+        while heap and seen < budget:
+            row = heapq.heappop(heap)
+            expiry, order, name, hashes = row
+            seen += len(hashes)
+            state = replicas.get(name)
+            blocks = state.blocks if state is not None else {}
+            live = tuple(h for h in hashes if blocks.get(h, NEVER) != NEVER)
+            self._deadline_refs -= len(hashes) - len(live)
+            if live:
+                kept.append(row if len(live) == len(hashes) else (expiry, order, name, live))
+        for row in kept:
+            heapq.heappush(heap, row)
 
     def _compact_deadlines(self) -> None:
         """Rebuild the deadline heap from live entries, a row per replica and expiry, when stale

@@ -10,6 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import radix.index as index_module
 from radix.index import NEVER, RadixIndex
 
 
@@ -58,11 +59,18 @@ names = st.sampled_from(["a", "b", "c", "d"])
 
 
 class IndexMachine(RuleBasedStateMachine):
-    @initialize(max_entries=st.one_of(st.none(), st.integers(3, 20)))
-    def setup(self, max_entries: int | None) -> None:
+    # slack 0: the deadline rows are trimmed and rebuilt as often as they can be, not past 1,024 hashes.
+    @initialize(max_entries=st.one_of(st.none(), st.integers(3, 20)), slack=st.sampled_from([0, 1024]))
+    def setup(self, max_entries: int | None, slack: int) -> None:
+        self.slack, index_module.DEADLINE_SLACK = index_module.DEADLINE_SLACK, slack
         self.index = RadixIndex(max_entries=max_entries)
         self.ref = Reference(max_entries)
         self.now = 0.0
+        self.add("a", None)  # a replica from the start, so that every rule can run at once
+
+    def teardown(self) -> None:
+        if hasattr(self, "slack"):
+            index_module.DEADLINE_SLACK = self.slack
 
     @rule(rid=names, capacity=st.one_of(st.none(), st.integers(1, 8)))
     def add(self, rid: str, capacity: int | None) -> None:
@@ -192,6 +200,40 @@ def test_global_bound_takes_from_the_largest_replica() -> None:
     index.insert("big", [30])
     assert len(index) == 5
     assert index.blocks_of("small") == 1
+
+
+def test_global_bound_evicts_as_one_entry_at_a_time_from_whichever_is_largest() -> None:
+    """In batches, the same entries go as one at a time: "second" gives up one to come level with
+    "first", which is then the largest (first among equals) for the last."""
+    index = RadixIndex(max_entries=7)
+    index.add_replica("first")
+    index.add_replica("second")
+    index.insert("first", [1, 2, 3, 4])
+    index.insert("second", [10, 11, 12])
+    index.insert("second", [20, 21])
+    assert (index.blocks_of("first"), index.blocks_of("second")) == (3, 4)
+    assert index.match([1, 2, 3, 4]) == {"first": 3}  # its least recently used, the leaf, went
+    assert index.match([20, 21]) == {"second": 2}
+
+
+def test_at_the_global_bound_the_deadline_rows_stay_bounded_without_a_rebuild(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """New prompts at the bound evict the least recently used, whose rows are due first: trimmed from
+    the top, the rows never outgrow the live entries enough for a whole rebuild (seconds, at millions
+    of entries), and every entry still expires when due."""
+    rebuilds = []
+    monkeypatch.setattr(RadixIndex, "_compact_deadlines", lambda self: rebuilds.append(len(self)))
+    monkeypatch.setattr(index_module, "DEADLINE_SLACK", 16)
+    index = RadixIndex(max_entries=200)
+    index.add_replica("r", learn=True)
+    for n in range(2_000):
+        index.insert("r", [n * 10 + k for k in range(5)], expires_at=1_000.0 + n)
+    assert rebuilds == []
+    assert len(index) == 200
+    assert index.expire(1_000.0 + 1_998) == 195
+    assert index.expire(1_000.0 + 1_999) == 5
+    assert len(index) == 0
 
 
 def test_predictions_expire_exact_entries_do_not() -> None:
