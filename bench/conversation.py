@@ -60,12 +60,13 @@ from gateway.gateway_config import TEXT_SPEC
 # The gateways, each in front of the same worker: (prefix and hash caches MiB, event loop, tokenizer:
 # None for --tokenizer's, its `collector` section: bench.local_fleet.COLLECTORS).
 PYTHONS_COLLECTOR = COLLECTORS["python"]
+TEXT_PATH = "gateway, routed on text"
 GATEWAYS: dict[str, tuple[int, str, str | None, dict[str, Any]]] = {
     "gateway": (64, "auto", None, {}),
     "gateway, Python's collector": (64, "auto", None, PYTHONS_COLLECTOR),
     "gateway, asyncio loop": (64, "asyncio", None, {}),
     "gateway, no caches, asyncio loop": (0, "asyncio", None, {}),
-    "gateway, routed on text": (64, "auto", TEXT_SPEC, {}),
+    TEXT_PATH: (64, "auto", TEXT_SPEC, {}),
     "gateway, routed on text, Python's collector": (64, "auto", TEXT_SPEC, PYTHONS_COLLECTOR),
 }
 PATHS = ("direct", *GATEWAYS)
@@ -198,10 +199,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         wait_healthy(list(gateways.values()))
         urls = {"direct": worker.url, **{path: g.url for path, g in gateways.items()}}
-        cpu_before = {path: cpu_s(g.pid) for path, g in gateways.items()}
         total = args.conversations * args.rounds
+        # Each gateway's CPU over its own phase: the others' phases would add its idle work (probes).
+        cpu: dict[str, float] = {}
         with httpx.Client(timeout=60.0) as client, tqdm(total=total * len(GATEWAYS), desc="rounds") as bar:
             for gateway in GATEWAYS:
+                before = cpu_s(gateways[gateway].pid)
                 rng = random.Random(args.seed)
                 for n in range(args.conversations):
                     for r, messages in enumerate(
@@ -223,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 into.ttft_s.append(ttft)
                                 into.e2e_s.append(e2e)
                         bar.update()
-        cpu = {path: (cpu_s(g.pid) - cpu_before[path]) / total for path, g in gateways.items()}
+                cpu[gateway] = (cpu_s(gateways[gateway].pid) - before) / total
         cache = cache_counts(gateways["gateway"].url)
         memory = {path: proc_stat(g.pid) for path, g in gateways.items()}
     payload = _payload(args, times, direct, cpu, cache, memory)
@@ -300,7 +303,11 @@ def _payload(
         "gateway_memory": {
             path: {"rss_bytes": m.rss_bytes, "peak_rss_bytes": m.peak_rss_bytes} for path, m in memory.items()
         },
-        "bar": {"ttft_p50_s": BAR_P50_S, "met": added["gateway"]["ttft_s_p50"] <= BAR_P50_S},
+        "bar": {
+            "ttft_p50_s": BAR_P50_S,
+            "met": added["gateway"]["ttft_s_p50"] <= BAR_P50_S,
+            "met_routed_on_text": added[TEXT_PATH]["ttft_s_p50"] <= BAR_P50_S,
+        },
     }
 
 
@@ -331,8 +338,10 @@ def _tables(title: str, p: dict[str, Any]) -> str:
         f"prefix cache: {int(c.get('hit', 0))} hits, {int(c.get('miss', 0))} misses "
         f"(hit rate {_share(c['hit_rate'])}), {_share(c['token_share'])} of prompt tokens from the cache, "
         f"{_share(c['block_share'])} of block hashes from the hash cache; "
-        f"bar: added TTFT p50 <= {BAR_P50_S * MS:g} ms with the cache: "
+        f"bar: added TTFT p50 <= {BAR_P50_S * MS:g} ms, tokenized with the cache: "
         + ("met" if p["bar"]["met"] else "NOT met")
+        + ", routed on text: "
+        + ("met" if p["bar"]["met_routed_on_text"] else "NOT met")
     )
     return f"{latency}\n\n{added}\n\n{summary}"
 

@@ -47,3 +47,4 @@ def test_cli_times_every_path_and_reads_the_cache_of_the_gateway_that_has_one(tm
         assert payload["gateway_memory"][path]["peak_rss_bytes"] > 0
     assert set(payload["direct_by_phase"]) == set(PATHS[1:])
     assert isinstance(payload["bar"]["met"], bool)
+    assert isinstance(payload["bar"]["met_routed_on_text"], bool)
