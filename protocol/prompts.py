@@ -25,7 +25,7 @@ from protocol.tokenizer import ChatTemplateError, Tokenizer
 
 def chat_prompt_ids(
     tokenizer: Tokenizer, messages: Sequence[Any], tools: Sequence[Any] | None = None
-) -> list[int]:
+) -> Sequence[int]:
     """The ids of a conversation (and its tools): through the template when it renders it, else its
     accepted head through the template and the rest canonically."""
     shaped = [_parsed_arguments(m) for m in messages]
@@ -38,7 +38,7 @@ def chat_prompt_ids(
     if head == 0:
         return canonical_ids(tokenizer, messages, tools)
     # The tools went where the template puts them (or nowhere, as for the whole conversation).
-    return tokenizer.encode(text) + canonical_ids(tokenizer, messages[head:])
+    return [*tokenizer.encode(text), *canonical_ids(tokenizer, messages[head:])]
 
 
 def _template_head(tokenizer: Tokenizer, messages: list[Any], tools: list[Any] | None) -> tuple[int, str]:

@@ -178,11 +178,11 @@ class HeadTokenizer(Tokenizer):
     budget: CharBudget = field(default_factory=lambda: CharBudget(0))
     # What encodes a text that fits the budget, when not the backend itself: one that gives the same
     # ids faster (the gateway's cache of known prefixes, gateway.forward.prefix_cache).
-    whole: Callable[[str], list[int]] | None = None
+    whole: Callable[[str], Sequence[int]] | None = None
 
     @classmethod
     def of(
-        cls, tokenizer: Tokenizer, max_chars: int, whole: Callable[[str], list[int]] | None = None
+        cls, tokenizer: Tokenizer, max_chars: int, whole: Callable[[str], Sequence[int]] | None = None
     ) -> HeadTokenizer:
         return cls(
             tokenizer.backend,
@@ -192,7 +192,7 @@ class HeadTokenizer(Tokenizer):
             whole,
         )
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> Sequence[int]:  # type: ignore[override]
         budget = self.budget
         if budget.cut:
             return []

@@ -27,6 +27,7 @@ that spans the break is not seen by the continuing replica.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -197,7 +198,7 @@ def continuation_body(
     sent: Sent,
     how: Continuation,
     *,
-    prompt_ids: list[int] | None,
+    prompt_ids: Sequence[int] | None,
     ask_usage: bool,
 ) -> dict[str, Any] | None:
     """The request that carries `sent` on (see the module's docstring), or None where none can."""

@@ -44,7 +44,9 @@ def payload(
     strip_usage = False
     if replica.kind == "bundled":
         if routed.tokenized and routed.tokens is not None and "prefixgate_token_ids" not in body:
-            added["prefixgate_token_ids"] = routed.tokens
+            tokens = routed.tokens
+            # JSON has no packed ids (the prefix cache's array('I')): a list, for this worker alone.
+            added["prefixgate_token_ids"] = tokens if isinstance(tokens, list) else list(tokens)
     elif not added and learns_usage and _streams_without_usage(body):
         options = body.get("stream_options")
         added["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}

@@ -4,7 +4,7 @@ for it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ class Routed:
     headers: CIMultiDict[str]
     # The prompt's whole token ids when routing has them (tokenizers.Prompt.token_ids): what a bundled
     # worker's stream is continued from elsewhere.
-    tokens: list[int] | None
+    tokens: Sequence[int] | None
     # Whether the gateway tokenized the prompt itself (the ids are then worth attaching).
     tokenized: bool
     decision: Decision

@@ -87,9 +87,9 @@ class Prompt:
     whole: bool
 
     @property
-    def token_ids(self) -> list[int] | None:
-        """The prompt's whole token ids, when routing has them."""
-        return self.ids if self.whole and isinstance(self.ids, list) else None
+    def token_ids(self) -> Sequence[int] | None:
+        """The prompt's whole token ids, when routing has them (a list, or packed: array('I'))."""
+        return self.ids if self.whole else None
 
 
 class Tokenizers:
@@ -230,7 +230,7 @@ def _inline(
     """The prompt tokenized here, or None when more than INLINE_CHARS would be left to encode."""
     allowance = Allowance(INLINE_CHARS)
 
-    def encode(text: str) -> list[int]:
+    def encode(text: str) -> Sequence[int]:
         if cache is not None:
             return cache.encode(text, allowance)
         allowance.take(len(text))
@@ -244,13 +244,13 @@ def _inline(
     return None if ids is None else _prompt(ids, limits, cut=head.budget.cut)
 
 
-def _prompt(ids: list[int], limits: Limits, cut: bool = False) -> Prompt:
+def _prompt(ids: Sequence[int], limits: Limits, cut: bool = False) -> Prompt:
     """The ids as routing takes them: whole only when none were cut and all are routed on."""
     whole = not cut and len(ids) <= limits.max_routed_tokens
     return Prompt(_head(ids, limits.max_routed_tokens), tokenized=whole, whole=whole)
 
 
-def _head(ids: list[int], count: int) -> list[int]:
+def _head(ids: Sequence[int], count: int) -> Sequence[int]:
     return ids if len(ids) <= count else ids[:count]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -34,7 +35,7 @@ def replica(rid: str, block_size: int = 4, **kwargs: object) -> Replica:
 def routed(
     body: dict[str, Any] | None,
     route: Route = "chat",
-    tokens: list[int] | None = None,
+    tokens: Sequence[int] | None = None,
     views: list[ReplicaView] | None = None,
     **kwargs: Any,
 ) -> Routed:

@@ -3,6 +3,8 @@ the gateway's own from the client, and usage asked for only where it is learned 
 
 from __future__ import annotations
 
+from array import array
+
 import orjson
 import pytest
 
@@ -31,6 +33,10 @@ def test_a_bundled_worker_gets_the_gateways_token_ids() -> None:
     # Ids the gateway did not compute (the client sent token ids itself) are not attached.
     untokenized = routed(STREAM, tokens=[5, 6, 7], tokenized=False)
     assert payload(untokenized, replica("a"), learns_usage=True)[0] is untokenized.raw
+    # Packed ids (a conversation turn from the prefix cache) go as the same JSON list.
+    packed = routed(STREAM, tokens=array("I", [5, 6, 7]))
+    sent = payload(packed, replica("a"), learns_usage=True)[0]
+    assert orjson.loads(sent)["prefixgate_token_ids"] == [5, 6, 7]
 
 
 def test_a_foreign_stream_asks_for_usage_only_where_it_is_learned_from() -> None:

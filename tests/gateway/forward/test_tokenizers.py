@@ -117,7 +117,7 @@ def test_a_turn_whose_history_the_cache_knows_is_tokenized_on_the_event_loop(
         threads.clear()
         prompt = asyncio.run(loaded.prompt(view, MODEL, Limits()))
         whole = TOKENIZER.encode(TOKENIZER.render_chat(view.messages or []))
-        assert prompt is not None and prompt.ids == whole and prompt.tokenized
+        assert prompt is not None and list(prompt.ids) == whole and prompt.tokenized
         # A new conversation has all its system prompt to encode: the thread's; a later turn only
         # its new messages, on the loop. Its first try on the loop gave up before encoding anything.
         assert threads and set(threads) == {where}
@@ -151,6 +151,6 @@ def test_many_small_messages_past_the_allowance_in_all_go_to_the_thread_whole(
     messages = [{"role": "user" if n % 2 == 0 else "assistant", "content": f"m{n} " * 30} for n in range(60)]
     view = RequestView("chat", messages=messages)
     prompt = asyncio.run(loaded.prompt(view, MODEL, Limits()))
-    assert prompt is not None and prompt.ids == TOKENIZER.encode(TOKENIZER.render_chat(messages))
+    assert prompt is not None and list(prompt.ids) == TOKENIZER.encode(TOKENIZER.render_chat(messages))
     cache = loaded._caches[MODEL]
     assert cache is not None and cache.stats.misses == 1 and cache.stats.hits == 0
