@@ -211,6 +211,11 @@ class Limits(_Section):
     # Recent prompts' block hashes, so that a prompt extending one is hashed only where it grew
     # (radix.chain_cache); 0 turns it off.
     hash_cache_mib: int = Field(32, ge=0)
+    # (block, replica) entries the prefix index holds, predicted and exact together: about 250 bytes
+    # each (`bench radix`), so about 1 GB at the default. Past it the largest replica's least recently
+    # used go first: a gateway routing many new prompts holds this many, and pays an eviction per new
+    # block (docs/benchmarks.md, "The index at its entry bound").
+    index_max_entries: int = Field(4_000_000, ge=1024)
 
 
 class Health(_Section):

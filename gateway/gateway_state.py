@@ -28,9 +28,6 @@ from radix.chain_cache import ChainCache
 
 log = logging.getLogger("prefixgate.gateway")
 
-# Predicted and exact entries together stay under this many (hash, replica) pairs.
-INDEX_MAX_ENTRIES = 4_000_000
-
 
 @dataclass
 class GatewayState:
@@ -38,7 +35,8 @@ class GatewayState:
     gateway_id: str
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     replicas: ReplicaSet = field(default_factory=ReplicaSet)
-    index: RadixIndex = field(default_factory=lambda: RadixIndex(INDEX_MAX_ENTRIES))
+    # What each replica holds (limits.index_max_entries: kept across a reload, its bound set anew).
+    index: RadixIndex = field(init=False)
     policy: Policy = field(init=False)
     # Models served by prefill and decode replicas are routed in pairs (policies.pd).
     pd: PrefillDecode = field(init=False)
@@ -77,6 +75,10 @@ class GatewayState:
         self.config = config
         self.policy = build_policy(config.routing)
         self.pd = build_pd(config.routing)
+        if hasattr(self, "index"):
+            self.index.bound_entries(config.limits.index_max_entries)
+        else:
+            self.index = RadixIndex(config.limits.index_max_entries)
         bound = config.limits.hash_cache_mib * 2**20
         if not hasattr(self, "chains") or self.chains.max_bytes != bound:
             self.chains = ChainCache(bound)  # kept across a reload that leaves its bound as it was

@@ -121,6 +121,13 @@ class RadixIndex:
         """Whether the replica's capacity bound is learned (approximate mode)."""
         return self._state(replica).learner is not None
 
+    def bound_entries(self, max_entries: int) -> None:
+        """A new global bound, enforced now (the largest replicas' least recently used go)."""
+        if max_entries <= 0:
+            raise ValueError(f"max_entries must be positive, got {max_entries}")
+        self.max_entries = max_entries
+        self._evict_past_bound()
+
     def capacity_of(self, replica: str) -> int | None:
         """The replica's capacity bound in blocks, as configured or learned (None: unbounded)."""
         return self._state(replica).capacity
@@ -159,9 +166,7 @@ class RadixIndex:
     def _bound(self, state: _Replica, added: int) -> None:
         if state.capacity is not None and len(state.blocks) > state.capacity:
             self._evict_oldest(state, len(state.blocks) - state.capacity)
-        if self.max_entries is not None:
-            while self._entries > self.max_entries:
-                self._evict_largest(self._entries - self.max_entries)
+        self._evict_past_bound()
         if self._deadline_refs > self._timed + self._timed // 2 + DEADLINE_SLACK:
             self._trim_deadlines(max(2 * added, DEADLINE_SLACK // 16))
         if self._deadline_refs > 2 * self._timed + DEADLINE_SLACK:
@@ -377,13 +382,16 @@ class RadixIndex:
             raise ValueError(f"replica {replica!r} does not learn its capacity")
         return learner
 
-    def _evict_largest(self, excess: int) -> None:
-        """Past the global bound: the largest replica gives up its least recently used entries until it
-        is down to the next largest, at most `excess` and at least one. The same entries go as one at a
-        time from whichever is largest, with the largest found once a batch, not once an entry."""
-        largest = max(self._replicas.values(), key=lambda state: len(state.blocks))
-        runner_up = max((len(s.blocks) for s in self._replicas.values() if s is not largest), default=0)
-        self._evict_oldest(largest, max(min(excess, len(largest.blocks) - runner_up), 1), ghost=False)
+    def _evict_past_bound(self) -> None:
+        """Past the global bound, the largest replica gives up its least recently used entries until it
+        is down to the next largest (at least one, at most what is past the bound), and so on. The same
+        entries go as one at a time from whichever is largest, with the largest found once a batch, not
+        once an entry."""
+        while self.max_entries is not None and self._entries > self.max_entries:
+            largest = max(self._replicas.values(), key=lambda state: len(state.blocks))
+            runner_up = max((len(s.blocks) for s in self._replicas.values() if s is not largest), default=0)
+            excess = self._entries - self.max_entries
+            self._evict_oldest(largest, max(min(excess, len(largest.blocks) - runner_up), 1), ghost=False)
 
     def _evict_oldest(self, state: _Replica, count: int = 1, ghost: bool = True) -> None:
         """Drop the `count` least recently used blocks (at most as many as it holds); a learning
