@@ -6,10 +6,13 @@ the default model's tokenizer with its prefix cache, the hash-chain cache, the d
 stages: parse (the body's JSON), view (what routing reads of it), tokenize (the chat template and the
 encoder, on the tokenizer thread, the hop included; "of which render" is the template alone), hash
 (block hashes), match (the index), policy (the rest of the decision: views, rates, the choice),
-record (the prediction made before forwarding) and release (the blocks touched again when the
-request ends). What is not here is HTTP: reading the request, writing it upstream, relaying the
-answer and the metrics, which `bench conversation` and `bench overhead` measure with the stages, in
-the gateway's CPU per request.
+record (the prediction made before forwarding), headers (the client's headers as they go upstream,
+and the answer's as they come back, the routing headers added), accounting (the request placed on
+its replica, its first token, its end: the metrics, the prefill rate and the correction learned from
+the reported usage) and, of the end, release (the blocks touched again). What is not here is HTTP
+itself: reading the request, writing it upstream and relaying the answer (aiohttp, the sockets),
+which `bench conversation` and `bench throughput` measure with the stages, in the gateway's CPU per
+request.
 
 Shapes: distinct chats of 50, 200 and 600 words (nothing shared, nothing cached: a new user's first
 turn), a distinct 2,000-token-id completion (no tokenizing), and rounds 31-60 of growing conversations
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import itertools
 import random
 import statistics
@@ -32,16 +36,23 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from multidict import CIMultiDict
 
 from bench.conversation import conversation, sentence
 from bench.report import format_table, write_json
+from gateway.collector import YOUNG_THRESHOLD, space_young_collections
 from gateway.fleet.expectations import expect, record
 from gateway.fleet.predictions import Predictions
 from gateway.fleet.replicas import LoadReport, Replica, ReplicaSet
+from gateway.forward.outcome import account, first_token, reported_usage
+from gateway.forward.relay_headers import response_headers, upstream_headers
 from gateway.forward.request_view import read_request
+from gateway.forward.routed import Routed
 from gateway.forward.router import decide
 from gateway.forward.tokenizers import Tokenizers
-from gateway.gateway_config import TEXT_SPEC, Limits
+from gateway.gateway_config import TEXT_SPEC, Limits, parse_config
+from gateway.gateway_state import GatewayState
+from gateway.http.reading import forwarded_headers
 from policies import build_policy
 from policies.routing_config import RoutingConfig
 from protocol.models import load_tokenizer_spec
@@ -52,7 +63,49 @@ from radix.chain_cache import ChainCache
 MODEL = "profiled"
 BLOCK_SIZE = 16
 REPLICAS = 4
-STAGES = ("parse", "view", "tokenize", "of which render", "hash", "match", "policy", "record", "release")
+STAGES = (
+    "parse",
+    "view",
+    "tokenize",
+    "of which render",
+    "hash",
+    "match",
+    "policy",
+    "record",
+    "headers",
+    "accounting",
+    "release",
+)
+# What an OpenAI client sends (the official Python client's headers) and what a replica answers with.
+CLIENT_HEADERS = CIMultiDict(
+    {
+        "Host": "127.0.0.1:8000",
+        "Accept-Encoding": "gzip, deflate",
+        "Connection": "keep-alive",
+        "Accept": "application/json",
+        "Content-Type": "application/json",
+        "User-Agent": "OpenAI/Python 1.99.0",
+        "X-Stainless-Lang": "python",
+        "X-Stainless-Package-Version": "1.99.0",
+        "X-Stainless-OS": "Linux",
+        "X-Stainless-Arch": "x64",
+        "X-Stainless-Runtime": "CPython",
+        "X-Stainless-Runtime-Version": "3.11.7",
+        "Authorization": "Bearer sk-none",
+        "X-Stainless-Async": "false",
+        "x-stainless-retry-count": "0",
+        "x-stainless-read-timeout": "600",
+        "Content-Length": "1400",
+    }
+)
+REPLY_HEADERS = CIMultiDict(
+    {
+        "Date": "Sun, 06 Dec 2026 23:00:00 GMT",
+        "Server": "uvicorn",
+        "Content-Length": "420",
+        "Content-Type": "application/json",
+    }
+)
 US = 1e6
 CACHE_BYTES = 64 * 2**20
 
@@ -170,7 +223,13 @@ async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "def
     times: dict[str, list[float]] = {stage: [] for stage in STAGES}
     hashed: list[float] = []
     matched: list[float] = []
+    released: list[float] = []
     timed_chains, timed_index = _Timed(chains, "block_hashes", hashed), _Timed(index, "match", matched)
+    # What the forward path reads and writes (metrics, learning): the gateway's state, on this index.
+    state = GatewayState(parse_config({"models": {MODEL: {"tokenizer": "none"}}}), "profile")
+    state.index, state.replicas = index, load
+    state.predictions = _Timed(predictions, "released", released)  # type: ignore[assignment]
+    target = "/v1/chat/completions" if shape.route == "chat" else "/v1/completions"
     try:
         for body, measured in shape.bodies(random.Random(seed), requests):
             raw = orjson.dumps(body)
@@ -197,8 +256,28 @@ async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "def
             expectation = expect(index, chosen, hashes, precise=False)
             record(index, predictions, expectation, now=time.time())
             recorded = time.perf_counter()
-            predictions.released(chosen.id, hashes)
-            released = time.perf_counter()
+            routed = Routed(
+                route=shape.route,  # type: ignore[arg-type]
+                model=MODEL,
+                method="POST",
+                target=target,
+                raw=raw,
+                body=parsed,
+                headers=forwarded_headers(CLIENT_HEADERS, "127.0.0.1", "http"),
+                tokens=prompt.token_ids,
+                tokenized=prompt.tokenized,
+                decision=decision,
+                arrival=time.monotonic(),
+                authorization=CLIENT_HEADERS.get("Authorization"),
+                predicted=expectation.predicted,
+                recorded_tick=expectation.recorded_tick,
+            )
+            upstream_headers(state.config, routed, raw)
+            response_headers(REPLY_HEADERS, decision, chosen.id)
+            headed = time.perf_counter()
+            released.clear()
+            _answered(state, routed, chosen, expectation.recorded_tick)
+            accounted = time.perf_counter()
             if not measured:
                 continue
             for stage, (a, b) in zip(("parse", "view", "tokenize"), itertools.pairwise(stamps), strict=True):
@@ -207,10 +286,30 @@ async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "def
             times["match"].append(sum(matched))
             times["policy"].append(routed_s - sum(hashed) - sum(matched))
             times["record"].append(recorded - start)
-            times["release"].append(released - recorded)
+            times["headers"].append(headed - recorded)
+            times["accounting"].append(accounted - headed - sum(released))
+            times["release"].append(sum(released))
     finally:
         tokenizers.close()
+        state.tokenizers.close()
     return {stage: statistics.median(values) if values else 0.0 for stage, values in times.items()}
+
+
+def _answered(state: GatewayState, routed: Routed, replica: Replica, recorded_tick: int | None) -> None:
+    """The request's life on `replica` as the forward path accounts for it (gateway.forward.proxy):
+    placed there, its first token, its end with the usage the replica reports (what was predicted
+    cached, so that nothing is corrected), its place freed."""
+    decision = routed.decision
+    cached = min(decision.view_of(replica.id).cached_tokens, decision.prompt_tokens)
+    uncached = decision.prompt_tokens - cached
+    handle = state.replicas.dispatched(
+        replica, time.monotonic(), uncached, recorded_tick, -(-uncached // replica.block_size)
+    )
+    first_token(state, routed, replica, handle)
+    usage = {"prompt_tokens": decision.prompt_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
+    tail = orjson.dumps({"object": "chat.completion", "usage": usage})
+    account(state, routed, replica, 200, reported_usage(REPLY_HEADERS, tail, replica), paired=False)
+    state.replicas.finished(replica, handle)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -223,10 +322,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.requests < 1:
         raise SystemExit("prefixgate bench profile: --requests must be at least 1")
-    results = {
-        shape.name: asyncio.run(profile_shape(shape, args.requests, args.seed, args.tokenizer))
-        for shape in shapes()
-    }
+    # Young collections as far apart as the gateway has them (gateway.collector): at Python's default
+    # one lands in most of a large prompt's requests, in whichever stage it happens to be.
+    thresholds = gc.get_threshold()
+    space_young_collections(YOUNG_THRESHOLD)
+    try:
+        results = {
+            shape.name: asyncio.run(profile_shape(shape, args.requests, args.seed, args.tokenizer))
+            for shape in shapes()
+        }
+    finally:
+        gc.set_threshold(*thresholds)
     rows = [
         [
             name,

@@ -76,7 +76,7 @@ async def _route_and_forward(
         target=request.rel_url.raw_path_qs,  # origin-form: an absolute-form target names no host upstream
         raw=raw,
         body=body,
-        headers=forwarded_headers(request),
+        headers=forwarded_headers(request.headers, request.remote, request.scheme),
         tokens=prompt.token_ids if prompt is not None else None,
         tokenized=prompt is not None and prompt.tokenized,
         decision=decision,

@@ -8,7 +8,7 @@ import asyncio
 from typing import Any
 
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.forward.internal_fields import INTERNAL_HEADER_PREFIX
 from gateway.forward.relay_headers import HOP_BY_HOP, connection_named
@@ -62,27 +62,30 @@ def proxied_path(path: str) -> bool:
     return path.startswith("/v1/") or path in NAMED_ROUTES
 
 
-def forwarded_headers(request: web.Request) -> CIMultiDict[str]:
-    """The client's end-to-end headers, as they go upstream (Authorization by the config's rule), each
-    repeat kept (Cookie): less the hop-by-hop ones, those the client's Connection header names included.
+def forwarded_headers(
+    received: CIMultiDictProxy[str] | CIMultiDict[str], remote: str | None, scheme: str
+) -> CIMultiDict[str]:
+    """The client's end-to-end headers (`received`, from `remote` over `scheme`), as they go upstream
+    (Authorization by the config's rule), each repeat kept (Cookie): less the hop-by-hop ones, those the
+    client's Connection header names included.
     The gateway records its hop as a reverse proxy does: X-Forwarded-For gains the client's address
     after any the client sent (a replica trusts only the last one); X-Forwarded-Proto and
     X-Forwarded-Host, how the client reached the gateway, replace any the client sent. A `Forwarded`
     header goes as sent. `x-prefixgate-*` headers are the gateway's and its workers' alone (as the
     body's fields: gateway.forward.internal_fields), so a client's never go upstream."""
-    dropped = _NOT_FORWARDED | connection_named(request.headers)
+    dropped = _NOT_FORWARDED | connection_named(received)
     headers = CIMultiDict(
         (k, v)
-        for k, v in request.headers.items()
+        for k, v in received.items()
         if k.lower() not in dropped and not k.lower().startswith(INTERNAL_HEADER_PREFIX)
     )
-    chain = [v for v in request.headers.getall("X-Forwarded-For", ()) if v.strip()]
-    if request.remote:
-        chain.append(request.remote)
+    chain = [v for v in received.getall("X-Forwarded-For", ()) if v.strip()]
+    if remote:
+        chain.append(remote)
     if chain:
         headers["X-Forwarded-For"] = ", ".join(chain)
-    headers["X-Forwarded-Proto"] = request.scheme
-    host = request.headers.get("Host")
+    headers["X-Forwarded-Proto"] = scheme
+    host = received.get("Host")
     if host:
         headers["X-Forwarded-Host"] = host
     return headers

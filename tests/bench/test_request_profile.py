@@ -19,8 +19,10 @@ def test_every_stage_of_every_shape_is_timed(tmp_path: Path) -> None:
     assert sorted(results) == sorted(shape.name for shape in shapes())
     for name, stages in results.items():
         assert set(stages) == set(STAGES)
-        # Every request is parsed, read, hashed, matched, decided, recorded and released.
-        for stage in ("parse", "view", "tokenize", "hash", "match", "record", "release"):
+        # Every request is parsed, read, hashed, matched, decided, recorded, given its headers both
+        # ways, accounted for and released.
+        timed = ("parse", "view", "tokenize", "hash", "match", "record", "headers", "accounting", "release")
+        for stage in timed:
             assert stages[stage] > 0, (name, stage)
         # Only chats go through the template, and only where the gateway tokenizes them.
         rendered = name.startswith(("chat", "conversation")) and not name.endswith("routed on text")
