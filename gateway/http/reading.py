@@ -73,12 +73,13 @@ def forwarded_headers(
     X-Forwarded-Host, how the client reached the gateway, replace any the client sent. A `Forwarded`
     header goes as sent. `x-prefixgate-*` headers are the gateway's and its workers' alone (as the
     body's fields: gateway.forward.internal_fields), so a client's never go upstream."""
-    dropped = _NOT_FORWARDED | connection_named(received)
-    headers = CIMultiDict(
-        (k, v)
-        for k, v in received.items()
-        if k.lower() not in dropped and not k.lower().startswith(INTERNAL_HEADER_PREFIX)
-    )
+    named = connection_named(received)
+    headers: CIMultiDict[str] = CIMultiDict()
+    add = headers.add
+    for k, v in received.items():
+        low = k.lower()
+        if low not in _NOT_FORWARDED and low not in named and not low.startswith(INTERNAL_HEADER_PREFIX):
+            add(k, v)
     chain = [v for v in received.getall("X-Forwarded-For", ()) if v.strip()]
     if remote:
         chain.append(remote)
