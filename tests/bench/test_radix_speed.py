@@ -24,6 +24,10 @@ def test_radix_bench_reports_ratios_and_memory(tmp_path: Path) -> None:
             "20",
             "--memory-entries",
             "5000",
+            "--bound-entries",
+            "20000",
+            "--bound-prompts",
+            "3000",
             "--json",
             str(out),
         ]
@@ -34,4 +38,8 @@ def test_radix_bench_reports_ratios_and_memory(tmp_path: Path) -> None:
     assert all(r["p50_ms"] > 0 and r["speedup"] > 0 for r in timed)
     # A flat dict entry plus an LRU slot: tens to a few hundred bytes, not kilobytes.
     assert 20 < results["memory"]["bytes_per_entry"] < 1000
+    # New prompts at the entry bound, the expiry rows trimmed and (as before) rebuilt whole.
+    for rows in ("trimmed rows", "rows rebuilt whole"):
+        at_bound = results[f"at the bound, {rows}"]
+        assert at_bound["mean_us"] > 0 and at_bound["p99_us"] <= at_bound["worst_ms"] * 1e3
     assert out.with_suffix(".png").exists()
