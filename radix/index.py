@@ -217,6 +217,7 @@ class RadixIndex:
                 continue
             blocks = state.blocks
             later: dict[float, list[int]] = {}
+            due: list[tuple[int, float]] = []
             for h in hashes:
                 expiry = blocks.get(h)
                 if expiry is None or expiry == NEVER:
@@ -225,10 +226,9 @@ class RadixIndex:
                     later.setdefault(expiry, []).append(h)
                     continue
                 del blocks[h]
-                if state.learner is not None:
-                    del state.learner.ticks[h]
-                self._forget(h, state, expiry)
-                dropped += 1
+                due.append((h, expiry))
+            self._drop(state, due, ghost=False)
+            dropped += len(due)
             for expiry, kept in later.items():
                 self._push_deadline(expiry, replica, kept)
         return dropped
@@ -401,8 +401,9 @@ class RadixIndex:
 
     def _drop(self, state: _Replica, dropped: Iterable[tuple[int, float]], ghost: bool) -> None:
         """Account for (hash, expiry) entries taken out of `state.blocks`: their holder bits cleared
-        unless pinned, their ticks and counts gone, each a ghost if `ghost`. _forget inlined: this loop
-        runs for every block a fleet evicts, and at the bound for every new one."""
+        unless pinned, their ticks and counts gone, each a ghost if `ghost`. The one way entries leave
+        (expiry, eviction, a `removed` event): this loop runs for every block a fleet evicts, and at the
+        bound for every new one."""
         holders, pinned = self._holders, state.pinned
         keep = ~(1 << state.bit)
         learner = state.learner
@@ -426,13 +427,6 @@ class RadixIndex:
             # Settled even when a hash that cannot be a key stops the loop: the counts stay exact.
             self._entries -= count
             self._timed -= timed
-
-    def _forget(self, h: int, state: _Replica, expiry: float) -> None:
-        """An entry left `state.blocks`: counted out, and its holder bit cleared unless pinned."""
-        self._release(h, state)
-        self._entries -= 1
-        if expiry != NEVER:
-            self._timed -= 1
 
     def _release(self, h: int, state: _Replica) -> None:
         """The replica no longer holds `h` in its blocks: clear its holder bit, unless a request in
