@@ -24,15 +24,19 @@ workers (it counts each text prompt as `preparation_rejected` and routes it by l
 row is sent the same prompts as SmolLM2 token ids, the ids vLLM computes from the words; and it
 reads KV events over tcp:// only, so it follows each server through a loopback relay.
 
-The workloads are sized for two CPU servers of ~1,000 prompt tokens/s each (eager mode): each id
-of a workload is one made-up word, ~2.8 SmolLM2 tokens. `agent`: 6 tenants with a 340-token system
-prompt each, 40 sessions of 3 to 5 turns starting within 45 s, a 450-token tool result in half the
-turns, histories of up to ~2,000 tokens (810 on average); `grouped`: 12 groups of 10 prompts sharing
-700 of their ~810 tokens, at 2 requests/s. Sent with no reuse at all, either asks ~80-100 % of the
-fleet's prefill capacity. A cache of 160 blocks of 32 tokens per server holds less than half of
-either's working set, so where a request goes decides its hit; a router that keeps an agent's
-session where its history is computes a turn's new tokens alone (under 40 % of the capacity), one
-that scatters the turns recomputes half the histories (about 70 %).
+The workloads are sized for two CPU servers of 1,000 prompt tokens/s each (eager mode), and played at
+the speed that keeps that share on the servers at hand: each server's prefill rate is timed once they
+are up (bench.vllm_fleet.prefill_rate) and the workloads run at their mean over 1,000 (`--speed auto`,
+the default), so that a host whose servers prefill at a fifth of that sees the same sessions five times
+slower, the same queues and the same caches, instead of a fleet overloaded five times over. Each id of
+a workload is one made-up word, ~2.8 SmolLM2 tokens. `agent`: 6 tenants with a 340-token system prompt
+each, 40 sessions of 3 to 5 turns starting within 45 s, a 450-token tool result in half the turns,
+histories of up to ~2,000 tokens (810 on average); `grouped`: 12 groups of 10 prompts sharing 700 of
+their ~810 tokens, at 2 requests/s. Sent with no reuse at all, either asks ~80-100 % of the fleet's
+prefill capacity. A cache of 160 blocks of 32 tokens per server holds less than half of either's
+working set, so where a request goes decides its hit; a router that keeps an agent's session where its
+history is computes a turn's new tokens alone (under 40 % of the capacity), one that scatters the turns
+recomputes half the histories (about 70 %).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -59,6 +65,7 @@ from bench.vllm_fleet import (
     VllmServer,
     VllmSpec,
     gateway,
+    prefill_rate,
     read_counters,
     reset_prefix_caches,
     tcp_event_relays,
@@ -69,6 +76,8 @@ from gateway.gateway_config import TEXT_SPEC
 from protocol.models import default_tokenizer
 
 NUM_BLOCKS = 160
+# The prompt tokens a second a server prefills that the workloads are sized for (`--speed auto`).
+REFERENCE_PREFILL_TOKENS_S = 1000.0
 WORKLOADS: dict[str, AgentParams | GroupedParams] = {
     "agent": AgentParams(
         tenants=6, system_tokens=120, sessions=40, min_turns=3, max_turns=5, tool_tokens=160,
@@ -144,7 +153,7 @@ def run_row(
     servers: Sequence[VllmServer],
     spec: VllmSpec,
     workdir: Path,
-    args: argparse.Namespace,
+    timeout_s: float,
     label: str,
 ) -> tuple[ReplayResult, list[ServerCounters]]:
     """One router through one workload, from empty caches: the replay and the servers' counters over it."""
@@ -152,7 +161,7 @@ def run_row(
     before = [read_counters(s) for s in servers]
     with router_url(router, servers, spec, workdir) as url:
         replay = replay_sessions(
-            url, sessions, model=spec.model, timeout_s=args.timeout, label=label, text=not router.token_ids
+            url, sessions, model=spec.model, timeout_s=timeout_s, label=label, text=not router.token_ids
         )
         result: ReplayResult = asyncio.run(replay)
     return result, [read_counters(s) - b for s, b in zip(servers, before, strict=True)]
@@ -206,12 +215,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="replays of every row, the rows' order reversed each round"
     )
-    parser.add_argument("--speed", type=float, default=1.0, help="time compression of the workloads")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    parser.add_argument(
+        "--speed",
+        type=_speed,
+        default=None,
+        help="time compression of the workloads; auto (the default): the servers' measured prefill rate "
+        f"over the {REFERENCE_PREFILL_TOKENS_S:,.0f} tokens/s they are sized for",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds per request (divided by a speed below 1)"
+    )
     parser.add_argument("--json", default=None, help="write the results here, and a PNG next to it")
     parser.add_argument(
         "--workdir", default=None, help="where the servers' and routers' logs go (default: a new temp folder)"
     )
+
+
+def _speed(value: str) -> float | None:
+    """--speed: a positive number, or auto (None: set from the servers' prefill rate)."""
+    if value == "auto":
+        return None
+    try:
+        speed = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a positive number or auto, got {value!r}") from None
+    if not speed > 0 or speed == math.inf:
+        raise argparse.ArgumentTypeError(f"a positive number or auto, got {value!r}")
+    return speed
 
 
 def _chosen(args: argparse.Namespace) -> tuple[list[str], list[Router]]:
@@ -232,11 +262,16 @@ WARM_UP = Router("warm-up: prefixgate round_robin", "round_robin")
 
 
 def warm_up(
-    servers: Sequence[VllmServer], spec: VllmSpec, workdir: Path, args: argparse.Namespace, workload: str
+    servers: Sequence[VllmServer],
+    spec: VllmSpec,
+    workdir: Path,
+    workload: str,
+    speed: float,
+    timeout_s: float,
 ) -> float:
     """The first workload replayed through round robin and dropped; returns the seconds it took."""
     start = time.monotonic()
-    run_row(WARM_UP, _sessions(workload, args.speed), servers, spec, workdir, args, WARM_UP.name)
+    run_row(WARM_UP, _sessions(workload, speed), servers, spec, workdir, timeout_s, WARM_UP.name)
     return time.monotonic() - start
 
 
@@ -255,16 +290,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.monotonic()
     with vllm_fleet(spec, workdir) as servers:
         print(f"bench vllm: {spec.count} vLLM servers up after {time.monotonic() - start:.0f} s", flush=True)
-        warm_up_s = warm_up(servers, spec, workdir, args, workloads[0])
+        rates = [prefill_rate(s, spec.model) for s in servers]
+        speed = args.speed or statistics.fmean(rates) / REFERENCE_PREFILL_TOKENS_S
+        print(
+            f"bench vllm: the servers prefill {' and '.join(f'{r:,.0f}' for r in rates)} tokens/s (the "
+            f"workloads are sized for {REFERENCE_PREFILL_TOKENS_S:,.0f}): workloads at speed {speed:.3g}",
+            flush=True,
+        )
+        # A request's time stretches with the workload's where the servers are slower.
+        timeout_s = args.timeout / min(speed, 1.0)
+        warm_up_s = warm_up(servers, spec, workdir, workloads[0], speed, timeout_s)
         for workload in workloads:
-            words = _sessions(workload, args.speed)
+            words = _sessions(workload, speed)
             ids = as_token_ids(words) if any(r.token_ids for r in routers) else words
             rounds: dict[str, list[tuple[ReplayResult, list[ServerCounters]]]] = {r.name: [] for r in routers}
             for k in range(args.rounds):
                 for r, router in enumerate(routers if k % 2 == 0 else routers[::-1]):
                     label = f"{workload} {k + 1}.{r + 1}/{args.rounds}.{len(routers)} {router.name}"
                     sessions = ids if router.token_ids else words
-                    rounds[router.name].append(run_row(router, sessions, servers, spec, workdir, args, label))
+                    row = run_row(router, sessions, servers, spec, workdir, timeout_s, label)
+                    rounds[router.name].append(row)
             results[workload] = {r.name: row_summary(r, servers, rounds[r.name]) for r in routers}
             print(_tables(workload, results[workload], [s.id for s in servers]), flush=True)
     payload = {
@@ -272,7 +317,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": BLOCK_SIZE,
         "num_blocks": spec.num_blocks,
         "model": spec.model,
-        "speed": args.speed,
+        "speed": speed,
+        "prefill_tokens_s": rates,
         "rounds": args.rounds,
         "workload_params": {w: _params(WORKLOADS[w]) for w in workloads},
         "results": results,

@@ -20,6 +20,9 @@ started with, and why:
   more prefill speed; eager servers are ready in ~35 s.
 - `--num-gpu-blocks-override` (optional): a cache small enough that the workload overflows it, the
   regime in which the replica chosen decides the hit; `--max-model-len` must fit in it.
+- `--dtype float32` where the CPU has no bfloat16 instructions (AVX512-BF16 or AMX-BF16): vLLM's
+  default for this model, bfloat16, is then emulated, and prefills at a fifth of float32's rate (an
+  AVX2-only EPYC: 39-40 against 200-233 tokens/s, bench.vllm_fleet.prefill_rate).
 - `VLLM_SERVER_DEV_MODE=1`: `POST /reset_prefix_cache`, so that rows of a benchmark start equal.
 - `VLLM_HOST_IP=127.0.0.1`: the engine's internal message queues on loopback too; no usage stats.
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -51,13 +55,15 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.local_fleet import Child, LocalFleet, cli, spawn, stop, wait_ready
+from bench.token_text import text_of
 from bench.vllm_env import ensure_vllm_env
+from bench.workloads import TOKEN_HIGH, TOKEN_LOW
 from protocol.loopback_ports import free_port
 from protocol.models import DEFAULT_MODEL_NAME, converted_folder, default_gguf_path
 
 BLOCK_SIZE = 32
 # The KV cache vLLM allocates (GiB): what --num-gpu-blocks-override then cuts down; 1 GiB is 1,456
-# blocks of 32 SmolLM2 tokens in bf16.
+# blocks of 32 SmolLM2 tokens in bf16, 728 in float32.
 KVCACHE_GIB = 1
 MAX_MODEL_LEN = 4096
 # Eager start-up is ~35 s alone; two servers starting at once on two cores take up to twice that.
@@ -66,6 +72,12 @@ STOP_TIMEOUT_S = 15.0
 POLL_S = 0.5
 # Requests still running make vLLM refuse a reset (success: false); they finish within seconds.
 RESET_TIMEOUT_S = 60.0
+# The prefill rate's two probes, in the workloads' made-up words (~2.8 SmolLM2 tokens each), each
+# timed PROBE_REPEATS times (the fastest counts): a short prompt, for what a request costs whatever
+# its length, and a long one.
+PROBE_WORDS = (16, 400)
+PROBE_REPEATS = 2
+PROBE_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,11 +191,27 @@ def vllm_command(python: Path, spec: VllmSpec, server: VllmServer, model: Path) 
         "--kv-events-config", json.dumps(events),
         "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
     ]  # fmt: skip
+    if not cpu_has_bfloat16():
+        command += ["--dtype", "float32"]
     if spec.num_blocks is not None:
         command += ["--num-gpu-blocks-override", str(spec.num_blocks)]
     if spec.tools:
         command += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     return command
+
+
+def cpu_has_bfloat16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU computes bfloat16 itself (its flags name avx512_bf16 or amx_bf16)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            flags = value.split()
+            return "avx512_bf16" in flags or "amx_bf16" in flags
+    return False
 
 
 def vllm_environment(core: int) -> dict[str, str]:
@@ -294,6 +322,37 @@ def reset_prefix_caches(
             time.sleep(POLL_S)
         if not _serving(server, model):
             raise RuntimeError(f"vLLM {server.id} did not answer after its prefix cache was reset")
+
+
+def prefill_rate(server: VllmServer, model: str, long_words: int = PROBE_WORDS[1], seed: int = 0) -> float:
+    """The server's prompt tokens per second on this host: the long probe's extra tokens over its extra
+    time, so that what every request costs whatever its length (HTTP, scheduling, the one decode step)
+    cancels out. Every probe is words no other prompt holds; one that vLLM reports partly cached, or a
+    long probe no slower than the short one, is a RuntimeError, not a rate."""
+    rng = random.Random(f"prefill-rate {seed} {server.id}")
+    timed: dict[int, tuple[int, float]] = {}
+    for words in (PROBE_WORDS[0], long_words):
+        for _ in range(PROBE_REPEATS):
+            prompt = text_of([rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(words)])
+            body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+            start = time.perf_counter()
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=PROBE_TIMEOUT_S)
+            elapsed = time.perf_counter() - start
+            response.raise_for_status()
+            usage = response.json()["usage"]
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            if cached:
+                raise RuntimeError(f"vLLM {server.id} reused {cached} tokens of a prefill-rate probe")
+            best = timed.get(words)
+            if best is None or elapsed < best[1]:
+                timed[words] = (usage["prompt_tokens"], elapsed)
+    (short_tokens, short_s), (long_tokens, long_s) = timed[PROBE_WORDS[0]], timed[long_words]
+    if long_tokens <= short_tokens or long_s <= short_s:
+        raise RuntimeError(
+            f"vLLM {server.id}: {long_tokens} prompt tokens in {long_s:.3f} s against {short_tokens} in "
+            f"{short_s:.3f} s: no prefill rate to read"
+        )
+    return (long_tokens - short_tokens) / (long_s - short_s)
 
 
 def read_counters(server: VllmServer) -> ServerCounters:

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from bench.replay_result import ReplayResult, RequestRecord
-from bench.vllm_bench import ROUTERS, _chosen, row_summary
+from bench.vllm_bench import ROUTERS, _chosen, _speed, row_summary
 from bench.vllm_fleet import ServerCounters, VllmServer
 
 SERVERS = [VllmServer(i, 8000 + i, f"ipc:///tmp/e{i}", f"tcp://127.0.0.1:{9000 + i}") for i in range(2)]
@@ -38,3 +38,10 @@ def test_rounds_below_one_are_refused() -> None:
     args = argparse.Namespace(workloads="agent", routers=None, rounds=0)
     with pytest.raises(SystemExit, match="--rounds"):
         _chosen(args)
+
+
+def test_speed_is_auto_or_a_positive_finite_number() -> None:
+    assert _speed("auto") is None and _speed("0.25") == 0.25
+    for bad in ("0", "-1", "nan", "inf", "fast", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive number or auto"):
+            _speed(bad)

@@ -25,9 +25,12 @@ from bench.probes import wait_for
 from bench.token_text import text_of
 from bench.vllm_fleet import (
     BLOCK_SIZE,
+    PROBE_REPEATS,
     VllmServer,
     VllmSpec,
     gateway,
+    prefill_rate,
+    read_counters,
     reset_prefix_caches,
     restart,
     vllm_fleet,
@@ -175,6 +178,18 @@ def test_block_boundary_prompt(empty: GatewayOverVllm) -> None:
     reuse = complete(empty, prompt)
     assert reuse.prompt_tokens % BLOCK_SIZE == 0 and reuse.cached == reuse.prompt_tokens - BLOCK_SIZE
     assert reuse.predicted == reuse.cached
+
+
+def test_prefill_rate_is_timed_on_prompts_vllm_computes_whole(empty: GatewayOverVllm) -> None:
+    """bench vllm sets its workloads' speed from this rate: its probes must be computed, not reused,
+    and the same probes again (found in the cache) are refused rather than read as a faster server."""
+    before = read_counters(empty.server)
+    rate = prefill_rate(empty.server, SPEC.model, long_words=200)
+    done = read_counters(empty.server) - before
+    assert rate > 0
+    assert done.requests == 2 * PROBE_REPEATS and done.prefix_hits == 0
+    with pytest.raises(RuntimeError, match="reused"):
+        prefill_rate(empty.server, SPEC.model, long_words=200)
 
 
 def test_index_follows_a_vllm_restart(empty: GatewayOverVllm) -> None:
