@@ -239,7 +239,7 @@ def _speed(value: str) -> float | None:
         speed = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a positive number or auto, got {value!r}") from None
-    if not speed > 0 or speed == math.inf:
+    if not (math.isfinite(speed) and speed > 0):
         raise argparse.ArgumentTypeError(f"a positive number or auto, got {value!r}")
     return speed
 

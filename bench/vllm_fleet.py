@@ -58,6 +58,7 @@ from bench.local_fleet import Child, LocalFleet, cli, spawn, stop, wait_ready
 from bench.token_text import text_of
 from bench.vllm_env import ensure_vllm_env
 from bench.workloads import TOKEN_HIGH, TOKEN_LOW
+from protocol.cpuinfo import CPUINFO, cpuinfo_field
 from protocol.loopback_ports import free_port
 from protocol.models import DEFAULT_MODEL_NAME, converted_folder, default_gguf_path
 
@@ -200,18 +201,10 @@ def vllm_command(python: Path, spec: VllmSpec, server: VllmServer, model: Path) 
     return command
 
 
-def cpu_has_bfloat16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+def cpu_has_bfloat16(cpuinfo: Path = CPUINFO) -> bool:
     """Whether this CPU computes bfloat16 itself (its flags name avx512_bf16 or amx_bf16)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return False
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            flags = value.split()
-            return "avx512_bf16" in flags or "amx_bf16" in flags
-    return False
+    flags = (cpuinfo_field("flags", cpuinfo) or "").split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def vllm_environment(core: int) -> dict[str, str]:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from protocol.cpuinfo import cpuinfo_field
 from workers.engine.batch import ScheduledChunk
 from workers.engine.sampling_params import SamplingParams
 from workers.sim.cost_model import StepShape, step_shape
@@ -160,13 +161,6 @@ def describe(composition: Composition) -> str:
     return " + ".join(parts)
 
 
-def _cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else "unknown CPU"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m workers.sim.calibrate", description=__doc__.split("\n")[0]
@@ -198,8 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n{model}\nridge: {model.ridge_tokens:.1f} tokens")
     print(f"fit error: RMS {cal.fit.rms_error:.1%}, max {cal.fit.max_error:.1%} over {len(cal.grid)} shapes")
     print(f"holdout error: max {holdout_max:.1%} over {len(HOLDOUT)} mixed shapes")
+    cpu = cpuinfo_field("model name") or "unknown CPU"
     source = (
-        f"calibrated {datetime.date.today().isoformat()} on {_cpu_name()} with {args.threads} torch "
+        f"calibrated {datetime.date.today().isoformat()} on {cpu} with {args.threads} torch "
         f"thread(s), fp32, SDPA; median {clock} of {args.repeats} runs per shape; fit RMS error "
         f"{cal.fit.rms_error:.1%} (max {cal.fit.max_error:.1%}), holdout max {holdout_max:.1%}"
     )
