@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from bench.fleet_result import FleetResult
@@ -241,16 +241,23 @@ def simulate(
 def pooled_hit_rate(sessions: Sequence[Session], profile: Profile, replicas: int) -> float:
     """One LRU prefix cache as large as the whole fleet's KV, fed every request in its nominal order
     (answers instant): the bound routing chases."""
+    prompts = (turn.prompt for turn in nominal_order(sessions))
+    return lru_hit_rate(prompts, profile.block_size, profile.num_blocks * replicas)
+
+
+def lru_hit_rate(prompts: Iterable[Sequence[int]], block_size: int, capacity_blocks: int | None) -> float:
+    """The share of the prompts' tokens one LRU prefix cache of `capacity_blocks` (None: unbounded)
+    holds as each arrives, fed them in order."""
     index = RadixIndex()
-    index.add_replica("pool", capacity_blocks=profile.num_blocks * replicas)
+    index.add_replica("pool", capacity_blocks=capacity_blocks)
     cached = total = 0
-    for turn in nominal_order(sessions):
-        tokens = list(turn.prompt)
-        hashes = block_hashes(tokens, profile.block_size, profile.model_name)
+    for prompt in prompts:
+        tokens = list(prompt)
+        hashes = block_hashes(tokens, block_size, "pool")
         # A request never reuses its own last token's block (the engine computes at least one token).
-        usable = hashes[: (len(tokens) - 1) // profile.block_size]
+        usable = hashes[: (len(tokens) - 1) // block_size]
         if usable:
-            cached += index.match(usable).get("pool", 0) * profile.block_size
+            cached += index.match(usable).get("pool", 0) * block_size
         if hashes:
             index.insert("pool", hashes)
         total += len(tokens)

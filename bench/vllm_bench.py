@@ -26,7 +26,7 @@ reads KV events over tcp:// only, so it follows each server through a loopback r
 
 The workloads are sized for two CPU servers of 1,000 prompt tokens/s each (eager mode), and played at
 the speed that keeps that share on the servers at hand: each server's prefill rate is timed once they
-are up (bench.vllm_fleet.prefill_rate) and the workloads run at their mean over 1,000 (`--speed auto`,
+are up (bench.vllm_fleet.prefill_timing) and the workloads run at their mean over 1,000 (`--speed auto`,
 the default), so that a host whose servers prefill at a fifth of that sees the same sessions five times
 slower, the same queues and the same caches, instead of a fleet overloaded five times over. Each id of
 a workload is one made-up word, ~2.8 SmolLM2 tokens. `agent`: 6 tenants with a 340-token system prompt
@@ -53,6 +53,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.fleet_sim import lru_hit_rate
 from bench.loadgen import replay_sessions
 from bench.peers import peer_router
 from bench.replay_result import ReplayResult, latency_stats, pooled
@@ -61,17 +62,26 @@ from bench.report import bar_panels, format_table, write_json
 from bench.token_text import text_of
 from bench.vllm_fleet import (
     BLOCK_SIZE,
+    PrefillTiming,
     ServerCounters,
     VllmServer,
     VllmSpec,
     gateway,
-    prefill_rate,
+    prefill_timing,
     read_counters,
     reset_prefix_caches,
     tcp_event_relays,
     vllm_fleet,
 )
-from bench.workloads import AgentParams, GroupedParams, Session, agent_sessions, grouped_sessions, scaled
+from bench.workloads import (
+    AgentParams,
+    GroupedParams,
+    Session,
+    agent_sessions,
+    grouped_sessions,
+    nominal_order,
+    scaled,
+)
 from gateway.gateway_config import TEXT_SPEC
 from protocol.models import default_tokenizer
 
@@ -167,16 +177,34 @@ def run_row(
     return result, [read_counters(s) - b for s, b in zip(servers, before, strict=True)]
 
 
+def alone_bound(sessions: Sequence[Session], spec: VllmSpec, timing: PrefillTiming) -> dict[str, float]:
+    """What no router can much beat: the hit rate of one LRU cache as large as the fleet's, fed every
+    prompt (as vLLM's token ids) in its nominal order, and the TTFT mean its requests would have at that
+    hit rate with nothing ever ahead of them. Routing can only split that cache, and a wait only adds."""
+    prompts = [list(turn.prompt) for turn in nominal_order(as_token_ids(sessions))]
+    capacity = None if spec.num_blocks is None else spec.num_blocks * spec.count
+    hit = lru_hit_rate(prompts, BLOCK_SIZE, capacity)
+    uncached = (1.0 - hit) * statistics.fmean(len(p) for p in prompts)
+    return {"pooled_hit_rate": hit, "ttft_mean_s": timing.seconds(uncached)}
+
+
 def row_summary(
-    router: Router, servers: Sequence[VllmServer], rounds: Sequence[tuple[ReplayResult, list[ServerCounters]]]
+    router: Router,
+    servers: Sequence[VllmServer],
+    rounds: Sequence[tuple[ReplayResult, list[ServerCounters]]],
+    timing: PrefillTiming,
 ) -> dict[str, Any]:
     """A row's rounds as one: the replay summary of their requests pooled, the servers' counters
-    summed, and each round's TTFT mean and p99 (how far one round is from the next)."""
+    summed, each round's TTFT mean and p99 (how far one round is from the next), and the TTFT its
+    requests would have had with nothing ahead of them (`timing`: the fleet's), the rest being waits."""
     per_server = zip(*(counters for _, counters in rounds), strict=True)
     served = [sum(counters, ServerCounters(0, 0, 0, 0)) for counters in per_server]
     by_round = [latency_stats([x.ttft_s for x in r.records]) for r, _ in rounds]
+    result = pooled([r for r, _ in rounds])
+    alone = [timing.seconds(x.prompt_tokens - x.cached_tokens) for x in result.records]
     return {
-        **pooled([r for r, _ in rounds]).summary(),
+        **result.summary(),
+        "ttft_alone_mean_s": statistics.fmean(alone) if alone else None,
         **server_summary(servers, served),
         "rounds": [{"ttft_mean_s": t["mean"], "ttft_p99_s": t["p99"]} for t in by_round],
         "note": NOTES.get(router.name),
@@ -287,11 +315,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="prefixgate-bench-vllm-"))
     print(f"bench vllm: logs in {workdir}", flush=True)
     results: dict[str, dict[str, Any]] = {w: {} for w in workloads}
+    bounds: dict[str, dict[str, float]] = {}
     start = time.monotonic()
     with vllm_fleet(spec, workdir) as servers:
         print(f"bench vllm: {spec.count} vLLM servers up after {time.monotonic() - start:.0f} s", flush=True)
-        rates = [prefill_rate(s, spec.model) for s in servers]
-        speed = args.speed or statistics.fmean(rates) / REFERENCE_PREFILL_TOKENS_S
+        timings = [prefill_timing(s, spec.model) for s in servers]
+        rates = [t.tokens_s for t in timings]
+        fleet = PrefillTiming(statistics.fmean(rates), statistics.fmean(t.fixed_s for t in timings))
+        speed = args.speed or fleet.tokens_s / REFERENCE_PREFILL_TOKENS_S
         print(
             f"bench vllm: the servers prefill {' and '.join(f'{r:,.0f}' for r in rates)} tokens/s (the "
             f"workloads are sized for {REFERENCE_PREFILL_TOKENS_S:,.0f}): workloads at speed {speed:.3g}",
@@ -310,8 +341,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     sessions = ids if router.token_ids else words
                     row = run_row(router, sessions, servers, spec, workdir, timeout_s, label)
                     rounds[router.name].append(row)
-            results[workload] = {r.name: row_summary(r, servers, rounds[r.name]) for r in routers}
-            print(_tables(workload, results[workload], [s.id for s in servers]), flush=True)
+            results[workload] = {r.name: row_summary(r, servers, rounds[r.name], fleet) for r in routers}
+            bounds[workload] = alone_bound(words, spec, fleet)
+            print(_tables(workload, results[workload], [s.id for s in servers], bounds[workload]), flush=True)
     payload = {
         "servers": spec.count,
         "block_size": BLOCK_SIZE,
@@ -319,9 +351,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": spec.model,
         "speed": speed,
         "prefill_tokens_s": rates,
+        "prefill_fixed_s": [t.fixed_s for t in timings],
         "rounds": args.rounds,
         "workload_params": {w: _params(WORKLOADS[w]) for w in workloads},
         "results": results,
+        "bounds": bounds,
         "notes": {name: note for name, note in NOTES.items() if any(r.name == name for r in routers)},
         "warm_up_s": warm_up_s,
         "elapsed_s": time.monotonic() - start,
@@ -339,7 +373,9 @@ def _params(params: AgentParams | GroupedParams) -> dict[str, Any]:
     return {field: getattr(params, field) for field in params.__dataclass_fields__}
 
 
-def _tables(workload: str, rows: dict[str, dict[str, Any]], server_ids: Sequence[str]) -> str:
+def _tables(
+    workload: str, rows: dict[str, dict[str, Any]], server_ids: Sequence[str], bound: dict[str, float]
+) -> str:
     main = [[name, *comparison_cells(r)] for name, r in rows.items()]
     spread = [
         [
@@ -349,13 +385,27 @@ def _tables(workload: str, rows: dict[str, dict[str, Any]], server_ids: Sequence
         ]
         for name, r in rows.items()
     ]
+    waits = [[name, *_wait_cells(r["ttft_s"]["mean"], r["ttft_alone_mean_s"])] for name, r in rows.items()]
+    pooled_hit = bound["pooled_hit_rate"]
+    waits.append(
+        [f"bound: pooled cache (hit {pooled_hit:.3f}), nothing ahead", bound["ttft_mean_s"], "-", "-"]
+    )
     return "\n\n".join(
         [
             format_table(f"bench vllm: {workload}", ["router", *COMPARISON_COLUMNS], main),
             format_table("requests per server (its prefix-cache hit rate), from vLLM's /metrics",
                          ["router", *server_ids, "TTFT mean s by round"], spread),
+            format_table("TTFT mean: each request's own prefill at the servers' timed rate, and waits",
+                         ["router", "TTFT alone s", "waited s", "waited share"], waits),
         ]
     )  # fmt: skip
+
+
+def _wait_cells(mean: float | None, alone: float | None) -> list[Any]:
+    """A row's TTFT alone, what its requests waited on top, and that wait's share of the TTFT."""
+    if mean is None or alone is None:
+        return ["-", "-", "-"]
+    return [alone, mean - alone, f"{(mean - alone) / mean:.0%}"]
 
 
 def _short(name: str) -> str:

@@ -22,7 +22,7 @@ started with, and why:
   regime in which the replica chosen decides the hit; `--max-model-len` must fit in it.
 - `--dtype float32` where the CPU has no bfloat16 instructions (AVX512-BF16 or AMX-BF16): vLLM's
   default for this model, bfloat16, is then emulated, and prefills at a fifth of float32's rate (an
-  AVX2-only EPYC: 39-40 against 200-233 tokens/s, bench.vllm_fleet.prefill_rate).
+  AVX2-only EPYC: 39-40 against 200-233 tokens/s, bench.vllm_fleet.prefill_timing).
 - `VLLM_SERVER_DEV_MODE=1`: `POST /reset_prefix_cache`, so that rows of a benchmark start equal.
 - `VLLM_HOST_IP=127.0.0.1`: the engine's internal message queues on loopback too; no usage stats.
 
@@ -317,11 +317,26 @@ def reset_prefix_caches(
             raise RuntimeError(f"vLLM {server.id} did not answer after its prefix cache was reset")
 
 
-def prefill_rate(server: VllmServer, model: str, long_words: int = PROBE_WORDS[1], seed: int = 0) -> float:
-    """The server's prompt tokens per second on this host: the long probe's extra tokens over its extra
-    time, so that what every request costs whatever its length (HTTP, scheduling, the one decode step)
-    cancels out. Every probe is words no other prompt holds; one that vLLM reports partly cached, or a
-    long probe no slower than the short one, is a RuntimeError, not a rate."""
+@dataclass(frozen=True, slots=True)
+class PrefillTiming:
+    """A server's prefill on this host, as a line: what every request costs whatever its length (HTTP,
+    scheduling, its one decode step), and prompt tokens a second beyond that."""
+
+    tokens_s: float
+    fixed_s: float
+
+    def seconds(self, tokens: int) -> float:
+        """A request's time to its first token with `tokens` to compute and nothing ahead of it."""
+        return self.fixed_s + tokens / self.tokens_s
+
+
+def prefill_timing(
+    server: VllmServer, model: str, long_words: int = PROBE_WORDS[1], seed: int = 0
+) -> PrefillTiming:
+    """The server's prefill on this host: the long probe's extra tokens over its extra time (the rate),
+    and what the short probe took beyond its tokens at that rate (the fixed cost). Every probe is words
+    no other prompt holds; one that vLLM reports partly cached, or a long probe no slower than the
+    short one, is a RuntimeError, not a timing."""
     rng = random.Random(f"prefill-rate {seed} {server.id}")
     timed: dict[int, tuple[int, float]] = {}
     for words in (PROBE_WORDS[0], long_words):
@@ -345,7 +360,8 @@ def prefill_rate(server: VllmServer, model: str, long_words: int = PROBE_WORDS[1
             f"vLLM {server.id}: {long_tokens} prompt tokens in {long_s:.3f} s against {short_tokens} in "
             f"{short_s:.3f} s: no prefill rate to read"
         )
-    return (long_tokens - short_tokens) / (long_s - short_s)
+    rate = (long_tokens - short_tokens) / (long_s - short_s)
+    return PrefillTiming(rate, max(short_s - short_tokens / rate, 0.0))
 
 
 def read_counters(server: VllmServer) -> ServerCounters:

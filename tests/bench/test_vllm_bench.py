@@ -8,9 +8,12 @@ import argparse
 import pytest
 
 from bench.replay_result import ReplayResult, RequestRecord
-from bench.vllm_bench import ROUTERS, _chosen, _speed, row_summary
-from bench.vllm_fleet import ServerCounters, VllmServer
+from bench.vllm_bench import NUM_BLOCKS, ROUTERS, _chosen, _speed, _wait_cells, alone_bound, row_summary
+from bench.vllm_fleet import BLOCK_SIZE, PrefillTiming, ServerCounters, VllmServer, VllmSpec
+from bench.workloads import Session, Turn
 
+# 100 tokens a second beyond 0.5 s a request.
+TIMING = PrefillTiming(tokens_s=100.0, fixed_s=0.5)
 SERVERS = [VllmServer(i, 8000 + i, f"ipc:///tmp/e{i}", f"tcp://127.0.0.1:{9000 + i}") for i in range(2)]
 
 
@@ -24,7 +27,7 @@ def test_a_rows_rounds_pool_their_requests_and_sum_the_servers_counters() -> Non
         (_replay([1.0, 3.0], "vllm0"), [ServerCounters(2, 200, 200, 100), ServerCounters(0, 0, 0, 0)]),
         (_replay([2.0], "vllm1"), [ServerCounters(0, 0, 0, 0), ServerCounters(1, 100, 100, 80)]),
     ]
-    row = row_summary(ROUTERS[0], SERVERS, rounds)
+    row = row_summary(ROUTERS[0], SERVERS, rounds, TIMING)
     assert row["ttft_s"]["mean"] == pytest.approx(2.0) and row["completed"] == 3
     assert [r["ttft_mean_s"] for r in row["rounds"]] == [pytest.approx(2.0), pytest.approx(2.0)]
     assert row["servers"]["vllm0"]["requests"] == 2 and row["servers"]["vllm1"]["hit_rate"] == pytest.approx(
@@ -32,6 +35,32 @@ def test_a_rows_rounds_pool_their_requests_and_sum_the_servers_counters() -> Non
     )
     assert row["vllm_hit_rate"] == pytest.approx(180 / 300)
     assert row["imbalance"] == pytest.approx(2 * 2 / 3)
+    # Every request computed 50 of its 100 tokens: 0.5 s of its own at 100 tokens/s, past 0.5 s fixed.
+    assert row["ttft_alone_mean_s"] == pytest.approx(1.0)
+    assert _wait_cells(row["ttft_s"]["mean"], row["ttft_alone_mean_s"]) == [
+        pytest.approx(1.0),
+        pytest.approx(1.0),
+        "50%",
+    ]
+    assert _wait_cells(None, 1.0) == ["-", "-", "-"]
+
+
+def test_the_bound_reuses_what_a_cache_of_the_fleets_size_would_hold() -> None:
+    """Sessions whose turns repeat their first prompt and add to it: their later turns find their
+    history in the pooled cache, so the bound's TTFT is below the same prompts computed whole; a fleet
+    of a few blocks reuses less, and one whose cache vLLM sizes itself is not bounded."""
+    words = [*range(1000, 1400)]
+    sessions = [
+        Session(float(s), (Turn(tuple(words[: 200 + s]), 4), Turn(tuple(words[: 300 + s]), 4, think_s=1.0)))
+        for s in range(3)
+    ]
+    roomy = alone_bound(sessions, VllmSpec(count=2, num_blocks=NUM_BLOCKS), TIMING)
+    tiny = alone_bound(sessions, VllmSpec(count=1, num_blocks=3, max_model_len=64), TIMING)
+    unbounded = alone_bound(sessions, VllmSpec(count=2), TIMING)
+    assert 0.5 < roomy["pooled_hit_rate"] < 1.0 and tiny["pooled_hit_rate"] < 0.5 * roomy["pooled_hit_rate"]
+    assert unbounded["pooled_hit_rate"] == roomy["pooled_hit_rate"]
+    assert TIMING.fixed_s < roomy["ttft_mean_s"] < tiny["ttft_mean_s"]
+    assert BLOCK_SIZE == 32
 
 
 def test_rounds_below_one_are_refused() -> None:

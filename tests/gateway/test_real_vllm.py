@@ -29,7 +29,7 @@ from bench.vllm_fleet import (
     VllmServer,
     VllmSpec,
     gateway,
-    prefill_rate,
+    prefill_timing,
     read_counters,
     reset_prefix_caches,
     restart,
@@ -180,16 +180,16 @@ def test_block_boundary_prompt(empty: GatewayOverVllm) -> None:
     assert reuse.predicted == reuse.cached
 
 
-def test_prefill_rate_is_timed_on_prompts_vllm_computes_whole(empty: GatewayOverVllm) -> None:
+def test_prefill_timing_is_read_on_prompts_vllm_computes_whole(empty: GatewayOverVllm) -> None:
     """bench vllm sets its workloads' speed from this rate: its probes must be computed, not reused,
     and the same probes again (found in the cache) are refused rather than read as a faster server."""
     before = read_counters(empty.server)
-    rate = prefill_rate(empty.server, SPEC.model, long_words=200)
+    timing = prefill_timing(empty.server, SPEC.model, long_words=200)
     done = read_counters(empty.server) - before
-    assert rate > 0
+    assert timing.tokens_s > 0 and timing.fixed_s >= 0
     assert done.requests == 2 * PROBE_REPEATS and done.prefix_hits == 0
     with pytest.raises(RuntimeError, match="reused"):
-        prefill_rate(empty.server, SPEC.model, long_words=200)
+        prefill_timing(empty.server, SPEC.model, long_words=200)
 
 
 def test_index_follows_a_vllm_restart(empty: GatewayOverVllm) -> None:
