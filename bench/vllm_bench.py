@@ -110,11 +110,14 @@ class Router:
     token_ids: bool = False
     # prefixgate's `tokenizer:` ("text": routed on the prompt's text, approximate).
     tokenizer: str = "default"
+    # prefixgate's limits.prefill_depth (None: every request sent at once).
+    prefill_depth: int | None = None
 
 
 ROUTERS = (
     Router("prefixgate prefix_aware precise", "prefix_aware", precise=True),
     Router("prefixgate prefix_aware approx", "prefix_aware"),
+    Router("prefixgate prefix_aware precise queued", "prefix_aware", precise=True, prefill_depth=1),
     Router("prefixgate prefix_aware text", "prefix_aware", tokenizer=TEXT_SPEC),
     Router("prefixgate cache_threshold precise", "cache_threshold", precise=True),
     Router("prefixgate round_robin", "round_robin"),
@@ -133,7 +136,13 @@ def router_url(router: Router, servers: Sequence[VllmServer], spec: VllmSpec, wo
     """The row's router started over `servers`, its base URL yielded once it answers."""
     if router.policy is not None:
         with gateway(
-            servers, spec, workdir, router.policy, precise=router.precise, tokenizer=router.tokenizer
+            servers,
+            spec,
+            workdir,
+            router.policy,
+            precise=router.precise,
+            tokenizer=router.tokenizer,
+            prefill_depth=router.prefill_depth,
         ) as url:
             yield url
         return
@@ -217,7 +226,12 @@ def server_summary(servers: Sequence[VllmServer], served: Sequence[ServerCounter
     requests = [c.requests for c in served]
     queries = sum(c.prefix_queries for c in served)
     total = sum(requests)
+    fleet = sum(served, ServerCounters(0, 0, 0, 0))
     return {
+        # Per request, from vLLM's own histograms: its TTFT, of which queued and prefilling.
+        "vllm_ttft_mean_s": fleet.ttft_s / total if total else None,
+        "vllm_queued_mean_s": fleet.queued_s / total if total else None,
+        "vllm_prefill_mean_s": fleet.prefill_s / total if total else None,
         "servers": {
             s.id: {"requests": c.requests, "prompt_tokens": c.prompt_tokens, "hit_rate": c.hit_rate}
             for s, c in zip(servers, served, strict=True)
@@ -385,27 +399,35 @@ def _tables(
         ]
         for name, r in rows.items()
     ]
-    waits = [[name, *_wait_cells(r["ttft_s"]["mean"], r["ttft_alone_mean_s"])] for name, r in rows.items()]
+    waits = [[name, *_wait_cells(r)] for name, r in rows.items()]
     pooled_hit = bound["pooled_hit_rate"]
-    waits.append(
-        [f"bound: pooled cache (hit {pooled_hit:.3f}), nothing ahead", bound["ttft_mean_s"], "-", "-"]
-    )
+    bound_row = [f"bound: pooled cache (hit {pooled_hit:.3f}), nothing ahead", "-", bound["ttft_mean_s"]]
+    waits.append(bound_row + ["-"] * (len(WAIT_COLUMNS) - 2))
     return "\n\n".join(
         [
             format_table(f"bench vllm: {workload}", ["router", *COMPARISON_COLUMNS], main),
             format_table("requests per server (its prefix-cache hit rate), from vLLM's /metrics",
                          ["router", *server_ids, "TTFT mean s by round"], spread),
-            format_table("TTFT mean: each request's own prefill at the servers' timed rate, and waits",
-                         ["router", "TTFT alone s", "waited s", "waited share"], waits),
+            format_table("TTFT mean and where it went: alone, each request's own prefill at the servers' "
+                         "timed rate; the rest from vLLM's /metrics", ["router", *WAIT_COLUMNS], waits),
         ]
     )  # fmt: skip
 
 
-def _wait_cells(mean: float | None, alone: float | None) -> list[Any]:
-    """A row's TTFT alone, what its requests waited on top, and that wait's share of the TTFT."""
-    if mean is None or alone is None:
-        return ["-", "-", "-"]
-    return [alone, mean - alone, f"{(mean - alone) / mean:.0%}"]
+WAIT_COLUMNS = (
+    "TTFT s", "alone s", "waited share", "vLLM TTFT s", "in vLLM's queue s", "vLLM prefill s",
+    "before vLLM s",
+)  # fmt: skip
+
+
+def _wait_cells(r: dict[str, Any]) -> list[Any]:
+    """A row's TTFT mean beside its requests' own prefill, the share beyond it, and vLLM's account of
+    it: its own TTFT, of which queued and prefilling, and what came before (the router, the network)."""
+    mean, alone, engine = r["ttft_s"]["mean"], r["ttft_alone_mean_s"], r["vllm_ttft_mean_s"]
+    if mean is None or alone is None or engine is None:
+        return [mean if mean is not None else "-", *["-"] * (len(WAIT_COLUMNS) - 1)]
+    share = f"{(mean - alone) / mean:.0%}"
+    return [mean, alone, share, engine, r["vllm_queued_mean_s"], r["vllm_prefill_mean_s"], mean - engine]
 
 
 def _short(name: str) -> str:

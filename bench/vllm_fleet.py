@@ -45,7 +45,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -135,22 +135,17 @@ class ServerCounters:
     prompt_tokens: float
     prefix_queries: float  # prompt tokens looked up in the prefix cache
     prefix_hits: float  # of which found there
+    # Seconds summed over its requests: from arrival at the engine to the first token, of which
+    # waiting to be scheduled, and computing the prompt once scheduled.
+    ttft_s: float = 0.0
+    queued_s: float = 0.0
+    prefill_s: float = 0.0
 
     def __add__(self, other: ServerCounters) -> ServerCounters:
-        return ServerCounters(
-            self.requests + other.requests,
-            self.prompt_tokens + other.prompt_tokens,
-            self.prefix_queries + other.prefix_queries,
-            self.prefix_hits + other.prefix_hits,
-        )
+        return ServerCounters(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     def __sub__(self, other: ServerCounters) -> ServerCounters:
-        return ServerCounters(
-            self.requests - other.requests,
-            self.prompt_tokens - other.prompt_tokens,
-            self.prefix_queries - other.prefix_queries,
-            self.prefix_hits - other.prefix_hits,
-        )
+        return ServerCounters(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
     @property
     def hit_rate(self) -> float:
@@ -162,6 +157,9 @@ _COUNTERS = {
     "vllm:prompt_tokens_total": "prompt_tokens",
     "vllm:prefix_cache_queries_total": "prefix_queries",
     "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:time_to_first_token_seconds_sum": "ttft_s",
+    "vllm:request_queue_time_seconds_sum": "queued_s",
+    "vllm:request_prefill_time_seconds_sum": "prefill_s",
 }
 
 
@@ -439,11 +437,12 @@ def gateway_config(
     *,
     precise: bool,
     tokenizer: str = "default",
+    prefill_depth: int | None = None,
 ) -> dict[str, Any]:
     """The servers as foreign OpenAI replicas: precise, their KV events followed; otherwise
     approximate, predicted from the gateway's own routing with no capacity told (it learns it). The
     gateway tokenizes text prompts with `tokenizer`: by default SmolLM2's, vLLM's own files; "text"
-    routes on the text untokenized (approximate only)."""
+    routes on the text untokenized (approximate only). `prefill_depth`: limits.prefill_depth."""
     replicas = []
     for server in servers:
         entry: dict[str, Any] = {
@@ -459,6 +458,7 @@ def gateway_config(
         "listen": {"host": "127.0.0.1", "port": port},
         "replicas": replicas,
         "routing": {"policy": policy},
+        "limits": {"prefill_depth": prefill_depth},
     }
 
 
@@ -471,15 +471,17 @@ def gateway(
     *,
     precise: bool,
     tokenizer: str = "default",
+    prefill_depth: int | None = None,
 ) -> Iterator[str]:
     """A `prefixgate serve` process over `servers`, every one routable when this yields its URL;
     stopped on the way out."""
     port = free_port()
-    name = f"gateway-{policy}-{'precise' if precise else 'approx'}-{tokenizer}"
+    name = f"gateway-{policy}-{'precise' if precise else 'approx'}-{tokenizer}-{prefill_depth}"
     config = workdir / f"{name}.yaml"
-    config.write_text(
-        yaml.safe_dump(gateway_config(servers, spec, policy, port, precise=precise, tokenizer=tokenizer))
+    settings = gateway_config(
+        servers, spec, policy, port, precise=precise, tokenizer=tokenizer, prefill_depth=prefill_depth
     )
+    config.write_text(yaml.safe_dump(settings))
     command = cli("serve", "--config", str(config), "--log-level", "WARNING")
     child = spawn(name, command, f"http://127.0.0.1:{port}", workdir)
     try:

@@ -216,6 +216,10 @@ class Limits(_Section):
     # used go first: a gateway routing many new prompts holds this many, and pays an eviction per new
     # block (docs/benchmarks.md, "The index at its entry bound").
     index_max_entries: int = Field(4_000_000, ge=1024)
+    # Prompts a replica computes at once from this gateway (sent, no first output yet); the requests
+    # past them wait at the gateway and go shortest prefill first, with their arrival counted
+    # (gateway.forward.prefill_queue). None: each goes at once, the replica's own queue orders them.
+    prefill_depth: int | None = Field(None, ge=1, le=1024)
 
 
 class Health(_Section):

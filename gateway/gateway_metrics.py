@@ -71,6 +71,14 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.prefill_queue_wait = Histogram(
+            "prefixgate_gateway_prefill_queue_wait_seconds",
+            "Time a request waited at the gateway for its replica to take one more prompt "
+            "(limits.prefill_depth; only where it is set)",
+            ("model", "replica"),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.decision = Histogram(
             "prefixgate_gateway_routing_decision_seconds",
             "Hashing, index match and policy choice for one request",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from gateway.fleet.predictions import Predictions
 from gateway.fleet.replicas import Replica, ReplicaSet
 from gateway.fleet.response_owners import ResponseOwners
+from gateway.forward.prefill_queue import PrefillQueue
 from gateway.forward.tokenizers import Tokenizers
 from gateway.forward.upstream_client import UpstreamClient
 from gateway.gateway_config import GatewayConfig
@@ -51,6 +52,8 @@ class GatewayState:
     response_owners: ResponseOwners = field(init=False)
     # Generation requests in the gateway now, from arrival to the end of the response.
     inflight: int = 0
+    # Requests held while their replica computes others (limits.prefill_depth; unused without one).
+    prefill_queue: PrefillQueue = field(default_factory=PrefillQueue)
 
     def __post_init__(self) -> None:
         self.configure(self.config)
@@ -73,6 +76,8 @@ class GatewayState:
         """The config and the policies made from it (a reload swaps the tokenizers itself, once the
         new ones are loaded)."""
         self.config = config
+        if config.limits.prefill_depth is not None:
+            self.prefill_queue.depth = config.limits.prefill_depth
         self.policy = build_policy(config.routing)
         self.pd = build_pd(config.routing)
         if hasattr(self, "index"):

@@ -50,6 +50,7 @@ from gateway.forward.internal_fields import client_body
 from gateway.forward.migration import Continuation, Sent, StreamTap, continuation_body, sent_tokens
 from gateway.forward.outcome import ACCOUNTED, TAIL_BYTES, account, first_token, reported_usage
 from gateway.forward.pd_legs import REFUSALS, PrefillFailed, PrefillLeg, prefill_leg
+from gateway.forward.prefill_queue import Place
 from gateway.forward.relay_headers import response_headers, upstream_headers
 from gateway.forward.routed import Routed
 from gateway.forward.sse_events import OutputWatch, ResponseIdScan, UsageStrip, response_body_id
@@ -139,7 +140,11 @@ async def _attempt(
     handle = state.replicas.dispatched(replica, time.monotonic(), computed, recorded, blocks)
     attempt = _Attempt(replica, handle, leg)
     upstream: UpstreamResponse | None = None
+    place: Place | None = None
     try:
+        if leg is None and state.config.limits.prefill_depth is not None:
+            prefill_s = computed / decision.view_of(replica.id).prefill_rate
+            place = await _queued(state, routed, replica, prefill_s)
         fields = (
             await leg.start(upstream_headers(state.config, routed, routed.raw)) if leg is not None else {}
         )
@@ -158,9 +163,14 @@ async def _attempt(
             raise _Retry(f"http_{upstream.status}")
         if upstream.status == 200 and upstream.headers.get("Content-Type", "").startswith(_SSE):
             first = await _guarded(leg, _until_output(upstream))
+            if place is not None:
+                place.free()
             if leg is not None:
                 leg.answered()
             return await _relay_stream(state, request, routed, attempt, upstream, first, strip_usage)
+        if place is not None:
+            # A whole answer shows no first output: its place goes once its prefill should be done.
+            asyncio.get_running_loop().call_later(prefill_s, place.free)
         body = await _guarded(leg, upstream.read())
         if leg is not None and upstream.status == 200:
             leg.answered()
@@ -191,6 +201,8 @@ async def _attempt(
             request[ACCOUNTED] = True
         raise
     finally:
+        if place is not None:
+            place.free()
         if upstream is not None:
             # Back to the pool when read to the end; closed otherwise (the client left, or a refusal
             # went unread), which is what tells a worker to abort.
@@ -198,6 +210,17 @@ async def _attempt(
         state.replicas.finished(replica, handle)
         if leg is not None:
             await leg.close()
+
+
+async def _queued(state: GatewayState, routed: Routed, replica: Replica, prefill_s: float) -> Place:
+    """A place among the prompts `replica` computes at once (limits.prefill_depth), waited for up to the
+    request timeout: a TimeoutError then, as from a replica that gave no answer."""
+    start = time.monotonic()
+    pending = state.prefill_queue.enter(replica.id, start, prefill_s)
+    place = await asyncio.wait_for(pending, state.config.limits.request_timeout_s)
+    waited = time.monotonic() - start
+    state.metrics.child(state.metrics.prefill_queue_wait, routed.model, replica.id).observe(waited)
+    return place
 
 
 def _send(

@@ -8,10 +8,20 @@ import argparse
 import pytest
 
 from bench.replay_result import ReplayResult, RequestRecord
-from bench.vllm_bench import NUM_BLOCKS, ROUTERS, _chosen, _speed, _wait_cells, alone_bound, row_summary
+from bench.vllm_bench import (
+    NUM_BLOCKS,
+    ROUTERS,
+    WAIT_COLUMNS,
+    _chosen,
+    _speed,
+    _wait_cells,
+    alone_bound,
+    row_summary,
+)
 from bench.vllm_fleet import BLOCK_SIZE, PrefillTiming, ServerCounters, VllmServer, VllmSpec
 from bench.workloads import Session, Turn
 
+NOTHING = ServerCounters(0, 0, 0, 0)
 # 100 tokens a second beyond 0.5 s a request.
 TIMING = PrefillTiming(tokens_s=100.0, fixed_s=0.5)
 SERVERS = [VllmServer(i, 8000 + i, f"ipc:///tmp/e{i}", f"tcp://127.0.0.1:{9000 + i}") for i in range(2)]
@@ -24,8 +34,14 @@ def _replay(ttfts: list[float], replica: str) -> ReplayResult:
 
 def test_a_rows_rounds_pool_their_requests_and_sum_the_servers_counters() -> None:
     rounds = [
-        (_replay([1.0, 3.0], "vllm0"), [ServerCounters(2, 200, 200, 100), ServerCounters(0, 0, 0, 0)]),
-        (_replay([2.0], "vllm1"), [ServerCounters(0, 0, 0, 0), ServerCounters(1, 100, 100, 80)]),
+        (
+            _replay([1.0, 3.0], "vllm0"),
+            [ServerCounters(2, 200, 200, 100, 2.4, 0.8, 1.2), ServerCounters(0, 0, 0, 0)],
+        ),
+        (
+            _replay([2.0], "vllm1"),
+            [ServerCounters(0, 0, 0, 0), ServerCounters(1, 100, 100, 80, 1.2, 0.4, 0.6)],
+        ),
     ]
     row = row_summary(ROUTERS[0], SERVERS, rounds, TIMING)
     assert row["ttft_s"]["mean"] == pytest.approx(2.0) and row["completed"] == 3
@@ -37,12 +53,12 @@ def test_a_rows_rounds_pool_their_requests_and_sum_the_servers_counters() -> Non
     assert row["imbalance"] == pytest.approx(2 * 2 / 3)
     # Every request computed 50 of its 100 tokens: 0.5 s of its own at 100 tokens/s, past 0.5 s fixed.
     assert row["ttft_alone_mean_s"] == pytest.approx(1.0)
-    assert _wait_cells(row["ttft_s"]["mean"], row["ttft_alone_mean_s"]) == [
-        pytest.approx(1.0),
-        pytest.approx(1.0),
-        "50%",
-    ]
-    assert _wait_cells(None, 1.0) == ["-", "-", "-"]
+    # vLLM's own account, per request: 1.2 s to its first token, 0.4 s of it queued, 0.6 s prefilling.
+    assert row["vllm_ttft_mean_s"] == pytest.approx(1.2) and row["vllm_queued_mean_s"] == pytest.approx(0.4)
+    assert _wait_cells(row) == [2.0, 1.0, "50%", *map(pytest.approx, (1.2, 0.4, 0.6, 0.8))]
+    assert len(_wait_cells(row)) == len(WAIT_COLUMNS)
+    row["vllm_ttft_mean_s"] = None  # a server that published no histograms
+    assert _wait_cells(row) == [2.0, *["-"] * (len(WAIT_COLUMNS) - 1)]
 
 
 def test_the_bound_reuses_what_a_cache_of_the_fleets_size_would_hold() -> None:
