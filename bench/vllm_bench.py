@@ -186,11 +186,12 @@ def run_row(
     return result, [read_counters(s) - b for s, b in zip(servers, before, strict=True)]
 
 
-def alone_bound(sessions: Sequence[Session], spec: VllmSpec, timing: PrefillTiming) -> dict[str, float]:
+def alone_bound(token_ids: Sequence[Session], spec: VllmSpec, timing: PrefillTiming) -> dict[str, float]:
     """What no router can much beat: the hit rate of one LRU cache as large as the fleet's, fed every
-    prompt (as vLLM's token ids) in its nominal order, and the TTFT mean its requests would have at that
-    hit rate with nothing ever ahead of them. Routing can only split that cache, and a wait only adds."""
-    prompts = [list(turn.prompt) for turn in nominal_order(as_token_ids(sessions))]
+    prompt of `token_ids` (sessions as as_token_ids makes them) in its nominal order, and the TTFT
+    mean its requests would have at that hit rate with nothing ever ahead of them. Routing can only
+    split that cache, and a wait only adds."""
+    prompts = [list(turn.prompt) for turn in nominal_order(token_ids)]
     capacity = None if spec.num_blocks is None else spec.num_blocks * spec.count
     hit = lru_hit_rate(prompts, BLOCK_SIZE, capacity)
     uncached = (1.0 - hit) * statistics.fmean(len(p) for p in prompts)
@@ -227,11 +228,13 @@ def server_summary(servers: Sequence[VllmServer], served: Sequence[ServerCounter
     queries = sum(c.prefix_queries for c in served)
     total = sum(requests)
     fleet = sum(served, ServerCounters(0, 0, 0, 0))
+    # Per request, from vLLM's own histograms: its TTFT, of which queued and prefilling (None where
+    # the servers published no TTFT: a sum of 0 is no reading, not an instant first token).
+    timed = total and fleet.ttft_s > 0
     return {
-        # Per request, from vLLM's own histograms: its TTFT, of which queued and prefilling.
-        "vllm_ttft_mean_s": fleet.ttft_s / total if total else None,
-        "vllm_queued_mean_s": fleet.queued_s / total if total else None,
-        "vllm_prefill_mean_s": fleet.prefill_s / total if total else None,
+        "vllm_ttft_mean_s": fleet.ttft_s / total if timed else None,
+        "vllm_queued_mean_s": fleet.queued_s / total if timed else None,
+        "vllm_prefill_mean_s": fleet.prefill_s / total if timed else None,
         "servers": {
             s.id: {"requests": c.requests, "prompt_tokens": c.prompt_tokens, "hit_rate": c.hit_rate}
             for s, c in zip(servers, served, strict=True)
@@ -347,7 +350,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm_up_s = warm_up(servers, spec, workdir, workloads[0], speed, timeout_s)
         for workload in workloads:
             words = _sessions(workload, speed)
-            ids = as_token_ids(words) if any(r.token_ids for r in routers) else words
+            ids = as_token_ids(words)
             rounds: dict[str, list[tuple[ReplayResult, list[ServerCounters]]]] = {r.name: [] for r in routers}
             for k in range(args.rounds):
                 for r, router in enumerate(routers if k % 2 == 0 else routers[::-1]):
@@ -356,7 +359,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row = run_row(router, sessions, servers, spec, workdir, timeout_s, label)
                     rounds[router.name].append(row)
             results[workload] = {r.name: row_summary(r, servers, rounds[r.name], fleet) for r in routers}
-            bounds[workload] = alone_bound(words, spec, fleet)
+            bounds[workload] = alone_bound(ids, spec, fleet)
             print(_tables(workload, results[workload], [s.id for s in servers], bounds[workload]), flush=True)
     payload = {
         "servers": spec.count,

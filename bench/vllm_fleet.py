@@ -323,7 +323,7 @@ class PrefillTiming:
     tokens_s: float
     fixed_s: float
 
-    def seconds(self, tokens: int) -> float:
+    def seconds(self, tokens: float) -> float:
         """A request's time to its first token with `tokens` to compute and nothing ahead of it."""
         return self.fixed_s + tokens / self.tokens_s
 

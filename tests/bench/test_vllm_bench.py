@@ -16,6 +16,7 @@ from bench.vllm_bench import (
     _speed,
     _wait_cells,
     alone_bound,
+    as_token_ids,
     row_summary,
 )
 from bench.vllm_fleet import BLOCK_SIZE, PrefillTiming, ServerCounters, VllmServer, VllmSpec
@@ -57,8 +58,10 @@ def test_a_rows_rounds_pool_their_requests_and_sum_the_servers_counters() -> Non
     assert row["vllm_ttft_mean_s"] == pytest.approx(1.2) and row["vllm_queued_mean_s"] == pytest.approx(0.4)
     assert _wait_cells(row) == [2.0, 1.0, "50%", *map(pytest.approx, (1.2, 0.4, 0.6, 0.8))]
     assert len(_wait_cells(row)) == len(WAIT_COLUMNS)
-    row["vllm_ttft_mean_s"] = None  # a server that published no histograms
-    assert _wait_cells(row) == [2.0, *["-"] * (len(WAIT_COLUMNS) - 1)]
+    # Servers that published no TTFT histogram: no reading, not an instant first token.
+    untimed = row_summary(ROUTERS[0], SERVERS, [(r, [NOTHING, NOTHING]) for r, _ in rounds], TIMING)
+    assert untimed["vllm_ttft_mean_s"] is None
+    assert _wait_cells(untimed) == [2.0, *["-"] * (len(WAIT_COLUMNS) - 1)]
 
 
 def test_the_bound_reuses_what_a_cache_of_the_fleets_size_would_hold() -> None:
@@ -70,9 +73,10 @@ def test_the_bound_reuses_what_a_cache_of_the_fleets_size_would_hold() -> None:
         Session(float(s), (Turn(tuple(words[: 200 + s]), 4), Turn(tuple(words[: 300 + s]), 4, think_s=1.0)))
         for s in range(3)
     ]
-    roomy = alone_bound(sessions, VllmSpec(count=2, num_blocks=NUM_BLOCKS), TIMING)
-    tiny = alone_bound(sessions, VllmSpec(count=1, num_blocks=3, max_model_len=64), TIMING)
-    unbounded = alone_bound(sessions, VllmSpec(count=2), TIMING)
+    ids = as_token_ids(sessions)
+    roomy = alone_bound(ids, VllmSpec(count=2, num_blocks=NUM_BLOCKS), TIMING)
+    tiny = alone_bound(ids, VllmSpec(count=1, num_blocks=3, max_model_len=64), TIMING)
+    unbounded = alone_bound(ids, VllmSpec(count=2), TIMING)
     assert 0.5 < roomy["pooled_hit_rate"] < 1.0 and tiny["pooled_hit_rate"] < 0.5 * roomy["pooled_hit_rate"]
     assert unbounded["pooled_hit_rate"] == roomy["pooled_hit_rate"]
     assert TIMING.fixed_s < roomy["ttft_mean_s"] < tiny["ttft_mean_s"]
