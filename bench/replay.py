@@ -174,7 +174,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=parse_modes,
         default=None,
         help="for the policies that read the index, a row each: precise, approx (no capacity told), "
-        "approx:F (F x the workers' pool); default: approx:0.25,approx:1,approx:16,approx,precise "
+        "approx:F (F x the workers' pool), text; each may end in @N, the gateway's "
+        "limits.prefill_depth; default: approx:0.25,approx:1,approx:16,approx,precise "
         "(with --sim-unit, all but precise)",
     )
     fleet.add_argument(

@@ -33,9 +33,15 @@ class Mode:
     capacity_factor: float | None = None
     # Routed on the prompt's text (`tokenizer: text`), not tokenized: with --text only.
     on_text: bool = False
+    # limits.prefill_depth (None: every request sent at once).
+    prefill_depth: int | None = None
 
     @property
     def name(self) -> str:
+        return self._base_name + ("" if self.prefill_depth is None else f" queued {self.prefill_depth}")
+
+    @property
+    def _base_name(self) -> str:
         if self.precise:
             return "precise"
         if self.on_text:
@@ -107,6 +113,8 @@ def row_gateway_config(
     with the default tokenizer (SmolLM2's) whatever the model, as a gateway before a backend with a
     tokenizer of its own would. `prefix_aware`: knobs of that policy's config (--prefix-aware)."""
     config = gateway_config(model, worker_urls, policy, port)
+    if mode.prefill_depth is not None:
+        config["limits"] = {"prefill_depth": mode.prefill_depth}
     if prefix_aware:
         config["routing"]["prefix_aware"] = dict(prefix_aware)
     if text:
@@ -152,15 +160,19 @@ def fleet_workers(count: int, profile: str, pool: tuple[int, int], unit: str | N
 
 def _mode(item: str) -> Mode:
     """One of `--modes`' items; ValueError when it names none."""
+    item, at, depth_text = item.partition("@")
+    depth = int(depth_text) if at else None
+    if depth is not None and depth < 1:
+        raise ValueError(depth_text)
     kind, _, factor = item.partition(":")
     if kind == "precise" and not factor:
-        return PRECISE
+        return Mode(True, prefill_depth=depth)
     if kind == "text" and not factor:
-        return TEXT
+        return Mode(False, on_text=True, prefill_depth=depth)
     if kind == "approx":
         capacity_factor = float(factor) if factor else None
         if capacity_factor is None or capacity_factor > 0:
-            return Mode(False, capacity_factor)
+            return Mode(False, capacity_factor, prefill_depth=depth)
     raise ValueError(item)
 
 
@@ -180,13 +192,15 @@ def parse_peers(text: str) -> tuple[str, ...]:
 
 def parse_modes(text: str) -> tuple[Mode, ...]:
     """`--modes`: precise, approx (no capacity told), approx:F (F > 0 times the true pool) and text
-    (approx, routed on the prompt's text), comma-separated."""
+    (approx, routed on the prompt's text), comma-separated; each may end in @N, the gateway's
+    limits.prefill_depth (N prompts at most computing at once on a replica, the rest held)."""
     try:
         modes = tuple(_mode(item.strip()) for item in text.split(",") if item.strip())
     except ValueError:
         modes = ()
     if not modes:
         raise argparse.ArgumentTypeError(
-            f"expected precise, approx, approx:FACTOR (FACTOR > 0) or text, comma-separated; got {text!r}"
+            "expected precise, approx, approx:FACTOR (FACTOR > 0) or text, each with an optional @DEPTH"
+            f" (DEPTH >= 1), comma-separated; got {text!r}"
         )
     return modes

@@ -118,6 +118,7 @@ ROUTERS = (
     Router("prefixgate prefix_aware precise", "prefix_aware", precise=True),
     Router("prefixgate prefix_aware approx", "prefix_aware"),
     Router("prefixgate prefix_aware precise queued", "prefix_aware", precise=True, prefill_depth=1),
+    Router("prefixgate prefix_aware approx queued", "prefix_aware", prefill_depth=1),
     Router("prefixgate prefix_aware text", "prefix_aware", tokenizer=TEXT_SPEC),
     Router("prefixgate cache_threshold precise", "cache_threshold", precise=True),
     Router("prefixgate round_robin", "round_robin"),

@@ -65,6 +65,10 @@ def test_gateway_configs_declare_the_workers_as_each_mode_says() -> None:
     absent = row_gateway_config("m", urls, "prefix_aware", Mode(False), (16, 768), 8000)
     assert all("capacity_blocks" not in r and r["kind"] == "openai" for r in absent["replicas"])
     assert [r.kind for r in replicas(PRECISE)] == ["bundled", "bundled"]
+    queued = row_gateway_config("m", urls, "prefix_aware", Mode(False, prefill_depth=2), (16, 768), 8000)
+    assert parse_config(queued).limits.prefill_depth == 2
+    unqueued = row_gateway_config("m", urls, "prefix_aware", APPROX, (16, 768), 8000)
+    assert parse_config(unqueued).limits.prefill_depth is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "replay", "--sim-fleet", "2", "--modes", "approx:-1"])
     with pytest.raises(SystemExit):
@@ -109,7 +113,17 @@ def test_modes_are_named_and_tell_a_capacity_only_when_approximate_with_a_factor
 def test_mode_and_peer_flags_name_rows_or_are_refused() -> None:
     assert parse_modes("precise, approx,approx:0.5,") == (PRECISE, APPROX, Mode(False, 0.5))
     assert parse_modes("text") == (TEXT,) and TEXT.name == "approx text"
-    for text in ("", "approx:0", "approx:-1", "precise:2", "fuzzy", "approx:x", "text:2"):
+    queued = parse_modes("precise@1,text@4,approx:0.5@2")
+    assert queued == (
+        Mode(True, prefill_depth=1),
+        Mode(False, on_text=True, prefill_depth=4),
+        Mode(False, 0.5, prefill_depth=2),
+    )
+    names = ["precise queued 1", "approx text queued 4", "approx cap x0.5 queued 2"]
+    assert [m.name for m in queued] == names
+    bad = ("", "approx:0", "approx:-1", "precise:2", "fuzzy", "approx:x", "text:2", "approx@0", "text@")
+    bad += ("precise@x",)
+    for text in bad:
         with pytest.raises(argparse.ArgumentTypeError, match="expected precise"):
             parse_modes(text)
     assert parse_peers("sglang") == ("sglang cache_aware",)
