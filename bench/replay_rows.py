@@ -112,9 +112,8 @@ def row_gateway_config(
     w1, ...) either way, so rows compare. `text`: the prompts come as text, which the gateway reads
     with the default tokenizer (SmolLM2's) whatever the model, as a gateway before a backend with a
     tokenizer of its own would. `prefix_aware`: knobs of that policy's config (--prefix-aware)."""
-    config = gateway_config(model, worker_urls, policy, port)
-    if mode.prefill_depth is not None:
-        config["limits"] = {"prefill_depth": mode.prefill_depth}
+    held = {} if mode.prefill_depth is None else {"limits": {"prefill_depth": mode.prefill_depth}}
+    config = gateway_config(model, worker_urls, policy, port, **held)
     if prefix_aware:
         config["routing"]["prefix_aware"] = dict(prefix_aware)
     if text:
