@@ -162,11 +162,10 @@ def simulate(
             if seq.is_finished:
                 held = r.requests.pop(seq.seq_id)
                 if held.hashes is not None:
-                    if precise:
-                        index.unpin(r.id, held.hashes)
-                    else:
+                    if not precise:
                         # As the gateway's Predictions.released: its blocks are the replica's most recent.
                         index.insert(r.id, held.hashes, expires_at=now + prediction_ttl_s)
+                    index.unpin(r.id, held.hashes)
                 answered(held.session, held.turn, now)
 
     while due or busy:
@@ -210,15 +209,15 @@ def simulate(
             moved += last_replica.get(session) != chosen.id
         last_replica[session] = chosen.id
         if hashes:
-            # Approximate: predicted until its TTL; precise: pinned until the request ends.
+            # Pinned until the request ends (gateway.fleet.expectations); approximate: predicted until
+            # its TTL too.
             held.hashes = hashes
-            if precise:
-                index.pin(chosen.id, hashes)
-            else:
+            if not precise:
                 horizon = pending_horizon(chosen.requests.values())
                 held.predicted = index.predicted(chosen.id, hashes, horizon)
                 held.recorded_tick = index.tick_now(chosen.id)
                 index.insert(chosen.id, hashes, expires_at=now + prediction_ttl_s)
+            index.pin(chosen.id, hashes)
         if idle:
             heapq.heappush(busy, (chosen.clock.now(), fleet.index(chosen)))
     end = max(r.clock.now() for r in fleet)

@@ -9,10 +9,10 @@ encoder, on the tokenizer thread, the hop included; "of which render" is the tem
 record (the prediction made before forwarding), headers (the client's headers as they go upstream,
 and the answer's as they come back, the routing headers added), accounting (the request placed on
 its replica, its first token, its end: the metrics, the prefill rate and the correction learned from
-the reported usage) and, of the end, release (the blocks touched again). What is not here is HTTP
-itself: reading the request, writing it upstream and relaying the answer (aiohttp, the sockets),
-which `bench conversation` and `bench throughput` measure with the stages, in the gateway's CPU per
-request.
+the reported usage) and, of the end, release (the blocks touched again, and unpinned). What is not
+here is HTTP itself: reading the request, writing it upstream and relaying the answer (aiohttp, the
+sockets), which `bench conversation` and `bench throughput` measure with the stages, in the gateway's
+CPU per request.
 
 Shapes: distinct chats of 50, 200 and 600 words (nothing shared, nothing cached: a new user's first
 turn), a distinct 2,000-token-id completion (no tokenizing), and rounds 31-60 of growing conversations
@@ -41,7 +41,7 @@ from multidict import CIMultiDict
 from bench.conversation import conversation, sentence
 from bench.report import format_table, write_json
 from gateway.collector import YOUNG_THRESHOLD, space_young_collections
-from gateway.fleet.expectations import expect, record
+from gateway.fleet.expectations import expect, record, settle
 from gateway.fleet.predictions import Predictions
 from gateway.fleet.replicas import LoadReport, Replica, ReplicaSet
 from gateway.forward.outcome import account, first_token, reported_usage
@@ -278,6 +278,8 @@ async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "def
             released.clear()
             _answered(state, routed, chosen, expectation.recorded_tick)
             accounted = time.perf_counter()
+            settle(index, expectation)
+            settled = time.perf_counter() - accounted
             if not measured:
                 continue
             for stage, (a, b) in zip(("parse", "view", "tokenize"), itertools.pairwise(stamps), strict=True):
@@ -288,7 +290,7 @@ async def profile_shape(shape: Shape, requests: int, seed: int, spec: str = "def
             times["record"].append(recorded - start)
             times["headers"].append(headed - recorded)
             times["accounting"].append(accounted - headed - sum(released))
-            times["release"].append(sum(released))
+            times["release"].append(sum(released) + settled)
     finally:
         tokenizers.close()
         state.tokenizers.close()

@@ -9,8 +9,11 @@ Each replica also keeps its blocks in LRU order, for the two places that need to
 bound per replica (approximate mode, where the gateway predicts a foreign backend's cache and has
 no eviction events to follow) and a global bound on entries that caps the gateway's memory.
 Predicted entries can expire; exact entries (from KV events) live until removed. A prompt in flight
-to an exact replica is pinned there until its request ends: the replica computes it before it
-answers, whatever its events say meanwhile (an older copy evicted while the request queues).
+to a replica is pinned there until its request ends: the replica computes it before it answers and
+holds it while the request runs. So an exact replica keeps it whatever its events say meanwhile (an
+older copy evicted while the request queues), and a capacity bound evicts around it, as an engine
+evicts only blocks no running sequence uses: under load, the requests running on a replica hold much
+of its pool, and what it keeps of the sessions between their turns is only the rest.
 
 A predicted replica's capacity bound is learned from what the replica reports it reused: the
 model and its evidence are radix.capacity's; the LRU it acts on is this index's.
@@ -165,7 +168,7 @@ class RadixIndex:
 
     def _bound(self, state: _Replica, added: int) -> None:
         if state.capacity is not None and len(state.blocks) > state.capacity:
-            self._evict_oldest(state, len(state.blocks) - state.capacity)
+            self._evict_unpinned(state, len(state.blocks) - state.capacity)
         self._evict_past_bound()
         if self._deadline_refs > self._timed + self._timed // 2 + DEADLINE_SLACK:
             self._trim_deadlines(max(2 * added, DEADLINE_SLACK // 16))
@@ -178,16 +181,19 @@ class RadixIndex:
         pop = state.blocks.pop
         self._drop(state, ((h, e) for h in hashes if (e := pop(h, None)) is not None), ghost=False)
 
-    def pin(self, replica: str, hashes: Iterable[int]) -> None:
-        """A request was sent to an exact replica: its prompt's blocks count as held there until it ends
+    def pin(self, replica: str, hashes: Sequence[int]) -> None:
+        """A request was sent to the replica: its prompt's blocks count as held there until it ends
         (unpin), since the replica computes them before it answers. Until then a `removed` event for them
-        only says that an older copy went, and requests sharing the prompt still follow it there."""
+        only says that an older copy went, and requests sharing the prompt still follow it there; the
+        capacity bound does not evict them (a predicted replica's prompt is inserted as well: pinning
+        does not make a block one of the replica's LRU entries, it only keeps it held)."""
         state = self._state(replica)
-        pinned, holders = state.pinned, self._holders
+        pinned, holders, blocks = state.pinned, self._holders, state.blocks
         bit = 1 << state.bit
         for h in hashes:
             pinned[h] = pinned.get(h, 0) + 1
-            holders[h] = holders.get(h, 0) | bit
+            if h not in blocks:  # its entries have their holder bit (a predicted prompt is inserted first)
+                holders[h] = holders.get(h, 0) | bit
 
     def unpin(self, replica: str, hashes: Iterable[int]) -> None:
         """The request pinned with these blocks ended: what the replica's events did not store, it does
@@ -274,7 +280,7 @@ class RadixIndex:
         state = self._state(replica)
         state.capacity = capacity_blocks
         if len(state.blocks) > capacity_blocks:
-            self._evict_oldest(state, len(state.blocks) - capacity_blocks)
+            self._evict_unpinned(state, len(state.blocks) - capacity_blocks)
 
     # -- learning ---------------------------------------------------------------------------
 
@@ -283,16 +289,20 @@ class RadixIndex:
         and the replica reports it reused the first `realised` (radix.capacity says what that implies).
 
         Fewer: the first block it lacked, and every block last used before it, are not there: they
-        go, and the capacity is at most what is left. More: the replica held blocks the capacity
-        bound had dropped, and the capacity is at least what that takes.
+        go (but those a request in flight pins, which it is using now), and the capacity is at most
+        what is left. More: the replica held blocks the capacity bound had dropped, and the capacity
+        is at least what that takes.
         """
         state = self._state(replica)
         learner = self._learner(replica)
         lacked = learner.lacked(predicted, realised) if realised < predicted.blocks else None
         if lacked is not None:
-            blocks, ticks = state.blocks, learner.ticks
-            while blocks and ticks[next(iter(blocks))] <= lacked:
-                self._evict_oldest(state, ghost=False)
+            blocks, ticks, pinned = state.blocks, learner.ticks, state.pinned
+            while blocks and ticks[oldest := next(iter(blocks))] <= lacked:
+                if oldest in pinned:
+                    self._used_now(state, oldest)
+                else:
+                    self._evict_oldest(state, ghost=False)
             state.capacity = learner.bound(len(blocks))
             return
         regained = learner.regained(predicted, realised, state.capacity, len(state.blocks))
@@ -398,6 +408,34 @@ class RadixIndex:
         replica's capacity bound remembers them as ghosts."""
         popitem = state.blocks.popitem
         self._drop(state, (popitem(last=False) for _ in range(count)), ghost)
+
+    def _evict_unpinned(self, state: _Replica, count: int) -> None:
+        """The capacity bound: the `count` least recently used blocks that no request in flight pins
+        go (as ghosts, on a learning replica). A pinned one met on the way is in use: it becomes the
+        most recently used. Fewer go when fewer are unpinned."""
+        if not state.pinned:
+            self._evict_oldest(state, count)
+            return
+        blocks, pinned = state.blocks, state.pinned
+        dropped: list[tuple[int, float]] = []
+        for _ in range(len(blocks)):
+            if len(dropped) == count:
+                break
+            h = next(iter(blocks))
+            if h in pinned:
+                self._used_now(state, h)
+            else:
+                dropped.append((h, blocks.pop(h)))
+        self._drop(state, dropped, ghost=True)
+
+    @staticmethod
+    def _used_now(state: _Replica, h: int) -> None:
+        """`h`, which the replica holds, becomes its most recently used block."""
+        state.blocks.move_to_end(h)
+        learner = state.learner
+        if learner is not None:
+            learner.ticks[h] = learner.tick
+            learner.tick += 1
 
     def _drop(self, state: _Replica, dropped: Iterable[tuple[int, float]], ghost: bool) -> None:
         """Account for (hash, expiry) entries taken out of `state.blocks`: their holder bits cleared

@@ -5,8 +5,10 @@ sharing its prefix follows it.
 A predicted replica (approximate mode) gets a prediction with a TTL, and what it was predicted to hold
 before, which the reuse it reports is checked against (Predictions.learn). An exact replica holds the
 prompt once it has computed it, which its events will say; a request sent there meanwhile waits for
-that prefill anyway and then reuses it, so until this request ends its prompt is pinned there
-(RadixIndex.pin), whatever the events say of an older copy meanwhile.
+that prefill anyway and then reuses it. Either way, until this request ends its prompt is pinned
+there (RadixIndex.pin): an exact replica's whatever the events say of an older copy meanwhile, a
+predicted one's whatever its capacity bound evicts meanwhile, since an engine does not evict the
+blocks of a request it is running.
 
 Reading what was held before (expect) and recording (record) are two steps so that the record, a
 walk over every block of the prompt, is made once the request is written upstream (the proxy) rather
@@ -38,8 +40,8 @@ class Expectation:
 
     @property
     def in_flight(self) -> tuple[str, Sequence[int]] | None:
-        """Exact replicas, once recorded: the replica and the hashes pinned for the request's lifetime."""
-        return (self.replica, self.hashes) if self.precise and self.recorded else None
+        """Once recorded: the replica and the hashes pinned for the request's lifetime."""
+        return (self.replica, self.hashes) if self.recorded else None
 
 
 # Nothing to record (no full block, or no prefix route): record and settle leave it as it is.
@@ -61,13 +63,13 @@ def record(index: RadixIndex, predictions: Predictions, expectation: Expectation
     if expectation.recorded or not expectation.hashes:
         return
     expectation.recorded = True
-    if expectation.precise:
-        index.pin(expectation.replica, expectation.hashes)
-    else:
+    if not expectation.precise:
         predictions.record(expectation.replica, expectation.hashes, now)
+    index.pin(expectation.replica, expectation.hashes)
 
 
 def settle(index: RadixIndex, expectation: Expectation) -> None:
-    """The request ended: what an exact replica holds is its events' to say again."""
+    """The request ended: what an exact replica holds is its events' to say again, what a predicted one
+    holds its capacity bound's."""
     if expectation.in_flight is not None:
         index.unpin(*expectation.in_flight)

@@ -190,3 +190,36 @@ def test_lacking_a_block_a_request_on_its_way_recorded_is_no_eviction() -> None:
     # Once that request has its first token the blocks are the replica's: lacking them is evidence.
     index.correct("r", index.predicted("r", asked), realised=0)
     assert index.capacity_of("r") == 64 and not index.holds("r", chains[0][0])
+
+
+def test_a_shortfall_evicts_around_the_blocks_of_requests_in_flight() -> None:
+    """An engine does not evict what a running request uses: a report that the replica lacked a block
+    drops the idle blocks used before it, not those a request in flight pins (they become the most
+    recently used), and the capacity bound it sets counts them."""
+    index, chains = predicted_fleet(capacity=None, prefixes=30, blocks=10)
+    index.pin("r", chains[1])  # a request in flight since, with an older prompt than chains[2]
+    index.correct("r", index.predicted("r", chains[12]), realised=0)
+    assert not any(index.holds("r", h) for chain in (chains[0], *chains[2:13]) for h in chain)
+    assert index.match(chains[1])["r"] == 10 and all(index.holds("r", h) for h in chains[1])
+    assert index.capacity_of("r") == index.blocks_of("r") == 10 + 170
+    # Still in flight, it is the most recently used: the bound takes the idle chains[13] first.
+    index.insert("r", [900 + b for b in range(10)], expires_at=LEASE)
+    assert all(index.holds("r", h) for h in chains[1]) and not index.holds("r", chains[13][0])
+    index.unpin("r", chains[1])
+    index.insert("r", [910 + b for b in range(10)], expires_at=LEASE)
+    assert index.blocks_of("r") == 180 and not index.holds("r", chains[14][0])
+
+
+def test_a_replica_all_pinned_keeps_its_prompts_in_flight_and_the_global_bound_still_holds() -> None:
+    index = RadixIndex(max_entries=12)
+    index.add_replica("r", capacity_blocks=4, learn=True)
+    index.pin("r", [1, 2, 3, 4, 5, 6])
+    index.insert("r", [1, 2, 3, 4, 5, 6], expires_at=LEASE)
+    assert index.blocks_of("r") == 6, "nothing unpinned to evict: the bound waits for the request to end"
+    index.pin("r", [7, 8, 9, 10, 11, 12, 13, 14])
+    index.insert("r", [7, 8, 9, 10, 11, 12, 13, 14], expires_at=LEASE)
+    # The gateway's memory bound is not the engine's: it drops entries pinned or not, and a pinned
+    # block stays matched until its request ends.
+    assert len(index) == 12 and index.match([1, 2, 3, 4, 5, 6])["r"] == 6
+    index.unpin("r", [1, 2, 3, 4, 5, 6])
+    assert index.match([1, 2, 3, 4, 5, 6]).get("r", 0) < 6

@@ -35,8 +35,16 @@ class Reference:
             else:
                 blocks.remove(row)
                 blocks.append([h, max(row[1], expires_at)])
-        while capacity is not None and len(blocks) > capacity:
-            blocks.pop(0)
+        # The capacity bound passes over pinned blocks once, each becoming the most recently used.
+        excess = len(blocks) - capacity if capacity is not None else 0
+        for _ in range(len(blocks)):
+            if excess <= 0:
+                break
+            if self.pins[rid][blocks[0][0]]:
+                blocks.append(blocks.pop(0))
+            else:
+                blocks.pop(0)
+                excess -= 1
         while self.max_entries is not None and self.total() > self.max_entries:
             largest = max(self.replicas.values(), key=lambda item: len(item[1]))
             largest[1].pop(0)

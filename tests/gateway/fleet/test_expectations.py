@@ -21,10 +21,30 @@ def test_a_predicted_replica_is_predicted_to_hold_the_prompt_for_the_ttl() -> No
     assert index.match(HASHES)["p"] == 1 and predictions.stats.recorded == 0
     for _ in range(2):  # once only
         record(index, predictions, expectation, now=1000.0)
-    assert expectation.in_flight is None and predictions.stats.recorded == 1
+    assert expectation.in_flight == ("p", HASHES) and predictions.stats.recorded == 1
     assert index.match(HASHES)["p"] == 3
     settle(index, expectation)
     assert index.match(HASHES)["p"] == 3, "a prediction outlives the request: its TTL ends it"
+
+
+def test_a_predicted_replica_keeps_a_prompt_in_flight_past_its_capacity_bound() -> None:
+    """Under load the requests running on an engine hold much of its pool, and it evicts only blocks no
+    running request uses: the capacity bound evicts the idle sessions' blocks, not the prompt in flight,
+    however long ago it was sent."""
+    index = RadixIndex()
+    index.add_replica("p", 5, learn=True)
+    predictions = Predictions(index, ttl_s=30.0)
+    running = expect(index, replica("p", kind="openai"), HASHES, precise=False)
+    record(index, predictions, running, now=1000.0)
+    index.insert("p", [1, 2])  # a session whose turn ended since: between its turns
+    newer = expect(index, replica("p", kind="openai"), [21, 22], precise=False)
+    record(index, predictions, newer, now=1001.0)
+    # Seven blocks for five: the idle session's go, though the first prompt in flight is older.
+    assert "p" not in index.match([1, 2])
+    assert index.match(HASHES)["p"] == 3 and index.match([21, 22])["p"] == 2
+    settle(index, running)
+    index.insert("p", [31, 32])  # another prompt: now the ended one's blocks can go, its tail first
+    assert index.match(HASHES)["p"] == 1 and index.match([21, 22])["p"] == 2
 
 
 def test_an_exact_replica_holds_the_prompt_only_while_the_request_runs() -> None:
