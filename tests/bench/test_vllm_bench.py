@@ -4,14 +4,17 @@ tests/gateway/test_real_vllm.py's)."""
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import pytest
 
 from bench.replay_result import ReplayResult, RequestRecord
 from bench.vllm_bench import (
+    HELD_OUT,
     NUM_BLOCKS,
     ROUTERS,
     WAIT_COLUMNS,
+    WORKLOADS,
     _chosen,
     _speed,
     _wait_cells,
@@ -20,7 +23,7 @@ from bench.vllm_bench import (
     row_summary,
 )
 from bench.vllm_fleet import BLOCK_SIZE, PrefillTiming, ServerCounters, VllmServer, VllmSpec
-from bench.workloads import Session, Turn
+from bench.workloads import Session, Turn, agent_sessions
 
 NOTHING = ServerCounters(0, 0, 0, 0)
 # 100 tokens a second beyond 0.5 s a request.
@@ -94,3 +97,14 @@ def test_speed_is_auto_or_a_positive_finite_number() -> None:
     for bad in ("0", "-1", "nan", "inf", "fast", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="positive number or auto"):
             _speed(bad)
+
+
+def test_the_held_out_workload_is_agents_sessions_thinking_longer_at_its_arrival_rate() -> None:
+    assert set(HELD_OUT) <= set(WORKLOADS) and "agent" not in HELD_OUT and "grouped" not in HELD_OUT
+    agent, think = (agent_sessions(WORKLOADS[name]) for name in ("agent", "agent-think"))  # type: ignore[arg-type]
+    assert [s.start_s for s in think] == [s.start_s for s in agent]
+    assert [len(s.turns) for s in think] == [len(s.turns) for s in agent]
+    pauses, agent_pauses = ([t.think_s for s in w for t in s.turns[1:]] for w in (think, agent))
+    assert min(pauses) >= 6.0 and statistics.fmean(pauses) > 4 * statistics.fmean(agent_pauses)
+    args = argparse.Namespace(workloads="agent-think", routers="sglang cache_aware", rounds=1)
+    assert _chosen(args)[0] == ["agent-think"]
