@@ -75,6 +75,7 @@ from bench.vllm_fleet import (
     vllm_fleet,
 )
 from bench.workloads import (
+    HELD_OUT,
     AgentParams,
     GroupedParams,
     Session,
@@ -98,12 +99,11 @@ WORKLOADS: dict[str, AgentParams | GroupedParams] = {
     "agent": AGENT,
     "grouped": GroupedParams(groups=12, prompts_per_group=10, shared_tokens=250, own_tokens=40,
                              output_tokens=8, rate=2.0),
-    # Held out (bench.workloads.HELD_OUT): agent's sessions, arriving at its rate, thinking 6 s +
+    # Held out (bench.workloads.HELD_OUT names it): agent's sessions, arriving at its rate, thinking 6 s +
     # Exp(8 s) between turns where agent's think 3 s on average. Meanwhile each server prefills
     # several caches' worth for the other sessions, so a history is often gone by its next turn.
     "agent-think": replace(AGENT, think_base_s=6.0, think_mean_s=8.0),
 }  # fmt: skip
-HELD_OUT: tuple[str, ...] = ("agent-think",)
 
 
 @dataclass(frozen=True, slots=True)
