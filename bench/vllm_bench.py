@@ -278,6 +278,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout", type=float, default=120.0, help="seconds per request (divided by a speed below 1)"
     )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the workloads' seed: another draws other tenants' prompts, sessions and arrivals, so a peer's "
+        "split of the tenants between the servers is drawn again too",
+    )
     parser.add_argument("--json", default=None, help="write the results here, and a PNG next to it")
     parser.add_argument(
         "--workdir", default=None, help="where the servers' and routers' logs go (default: a new temp folder)"
@@ -321,15 +328,21 @@ def warm_up(
     workload: str,
     speed: float,
     timeout_s: float,
+    seed: int,
 ) -> float:
     """The first workload replayed through round robin and dropped; returns the seconds it took."""
     start = time.monotonic()
-    run_row(WARM_UP, _sessions(workload, speed), servers, spec, workdir, timeout_s, WARM_UP.name)
+    run_row(WARM_UP, _sessions(workload, speed, seed), servers, spec, workdir, timeout_s, WARM_UP.name)
     return time.monotonic() - start
 
 
-def _sessions(name: str, speed: float) -> list[Session]:
-    params = WORKLOADS[name]
+def workload_params(name: str, seed: int) -> AgentParams | GroupedParams:
+    """A workload's parameters drawn with `seed`."""
+    return replace(WORKLOADS[name], seed=seed)
+
+
+def _sessions(name: str, speed: float, seed: int) -> list[Session]:
+    params = workload_params(name, seed)
     sessions = agent_sessions(params) if isinstance(params, AgentParams) else grouped_sessions(params)
     return scaled(sessions, speed)
 
@@ -355,9 +368,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         # A request's time stretches with the workload's where the servers are slower.
         timeout_s = args.timeout / min(speed, 1.0)
-        warm_up_s = warm_up(servers, spec, workdir, workloads[0], speed, timeout_s)
+        warm_up_s = warm_up(servers, spec, workdir, workloads[0], speed, timeout_s, args.seed)
         for workload in workloads:
-            words = _sessions(workload, speed)
+            words = _sessions(workload, speed, args.seed)
             ids = as_token_ids(words)
             rounds: dict[str, list[tuple[ReplayResult, list[ServerCounters]]]] = {r.name: [] for r in routers}
             for k in range(args.rounds):
@@ -368,7 +381,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     rounds[router.name].append(row)
             results[workload] = {r.name: row_summary(r, servers, rounds[r.name], fleet) for r in routers}
             bounds[workload] = alone_bound(ids, spec, fleet)
-            print(_tables(workload, results[workload], [s.id for s in servers], bounds[workload]), flush=True)
+            table = _tables(workload, results[workload], [s.id for s in servers], bounds[workload], args.seed)
+            print(table, flush=True)
     payload = {
         "servers": spec.count,
         "block_size": BLOCK_SIZE,
@@ -378,7 +392,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_tokens_s": rates,
         "prefill_fixed_s": [t.fixed_s for t in timings],
         "rounds": args.rounds,
-        "workload_params": {w: _params(WORKLOADS[w]) for w in workloads},
+        "seed": args.seed,
+        "workload_params": {w: _params(workload_params(w, args.seed)) for w in workloads},
         "held_out": [w for w in workloads if w in HELD_OUT],
         "results": results,
         "bounds": bounds,
@@ -400,7 +415,11 @@ def _params(params: AgentParams | GroupedParams) -> dict[str, Any]:
 
 
 def _tables(
-    workload: str, rows: dict[str, dict[str, Any]], server_ids: Sequence[str], bound: dict[str, float]
+    workload: str,
+    rows: dict[str, dict[str, Any]],
+    server_ids: Sequence[str],
+    bound: dict[str, float],
+    seed: int,
 ) -> str:
     main = [[name, *comparison_cells(r)] for name, r in rows.items()]
     spread = [
@@ -414,11 +433,12 @@ def _tables(
     waits = [[name, *_wait_cells(r)] for name, r in rows.items()]
     pooled_hit = bound["pooled_hit_rate"]
     held_out = " (held out: no default was tuned on it)" if workload in HELD_OUT else ""
+    drawn = f", seed {seed}" if seed else ""
     bound_row = [f"bound: pooled cache (hit {pooled_hit:.3f}), nothing ahead", "-", bound["ttft_mean_s"]]
     waits.append(bound_row + ["-"] * (len(WAIT_COLUMNS) - 2))
     return "\n\n".join(
         [
-            format_table(f"bench vllm: {workload}{held_out}", ["router", *COMPARISON_COLUMNS], main),
+            format_table(f"bench vllm: {workload}{drawn}{held_out}", ["router", *COMPARISON_COLUMNS], main),
             format_table("requests per server (its prefix-cache hit rate), from vLLM's /metrics",
                          ["router", *server_ids, "TTFT mean s by round"], spread),
             format_table("TTFT mean and where it went: alone, each request's own prefill at the servers' "

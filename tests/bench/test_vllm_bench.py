@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -20,6 +21,7 @@ from bench.vllm_bench import (
     alone_bound,
     as_token_ids,
     row_summary,
+    workload_params,
 )
 from bench.vllm_fleet import BLOCK_SIZE, PrefillTiming, ServerCounters, VllmServer, VllmSpec
 from bench.workloads import HELD_OUT, Session, Turn, agent_sessions
@@ -107,3 +109,14 @@ def test_the_held_out_workload_is_agents_sessions_thinking_longer_at_its_arrival
     assert min(pauses) >= 6.0 and statistics.fmean(pauses) > 4 * statistics.fmean(agent_pauses)
     args = argparse.Namespace(workloads="agent-think", routers="sglang cache_aware", rounds=1)
     assert _chosen(args)[0] == ["agent-think"]
+
+
+def test_a_seed_draws_other_sessions_of_the_same_shape() -> None:
+    for name in WORKLOADS:
+        assert workload_params(name, 0) == WORKLOADS[name]
+        first, other = (workload_params(name, seed) for seed in (0, 1))
+        assert other.seed == 1 and replace(other, seed=0) == first
+    agent = [agent_sessions(workload_params("agent", seed)) for seed in (0, 1)]  # type: ignore[arg-type]
+    assert [s.start_s for s in agent[0]] != [s.start_s for s in agent[1]]
+    assert [list(t.prompt) for t in agent[0][0].turns] != [list(t.prompt) for t in agent[1][0].turns]
+    assert len(agent[0]) == len(agent[1])
