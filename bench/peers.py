@@ -7,7 +7,8 @@ project's, and neither is a dependency of prefixgate. The venv is made once per 
 under the cache root (~/.cache/prefixgate/venvs/peers), a marker file saying which pins it holds.
 
 A row (PEER_ROWS) is a router and one of its policies, run with that router's own defaults for the
-policy: the flags given are only those without which it would not run here. The router's port and
+policy: the flags given are only those without which it would not run here. A variant
+(PEER_VARIANTS), run only when named in full, adds flags of the router's own to a row. The router's port and
 its Prometheus exporter's, which default to fixed ports that rows run side by side would share, both
 on 127.0.0.1; the workers; the policy; and for vllm-router's kv_aware, which follows the workers' KV
 events, their ZMQ endpoints (vLLM's wire format: vLLM's own `--kv-events-config`, or `prefixgate
@@ -33,6 +34,13 @@ from protocol.models import cache_root
 
 PEER_PINS = ("sglang-router==0.3.2", "vllm-router==0.1.17")
 PEER_ROWS: tuple[str, ...] = ("sglang cache_aware", "vllm-router cache_aware", "vllm-router kv_aware")
+# Rows run only when named in full: a router's policy with flags of its own beside its defaults.
+# sglang's cache_aware balances by load only once two workers' loads differ by more than 64 requests,
+# which a small fleet never reaches: on two vLLM servers it sent every request of a run to one of
+# them (docs/benchmarks.md). Balanced, it goes by load once they differ by two (and by half).
+PEER_VARIANTS: dict[str, tuple[str, ...]] = {
+    "sglang cache_aware balanced": ("--balance-abs-threshold", "1"),
+}
 # Each router's launcher module and the spelling of its log level for warnings (quieter than their
 # default, which logs at info; the log stays in the work folder).
 _LAUNCHERS = {
@@ -98,12 +106,13 @@ def peer_command(
     block_size: int = 16,
     model: str | None = None,
 ) -> list[str]:
-    """The command line of the row `name` (one of PEER_ROWS) over `worker_urls`, on `port`."""
-    if name not in PEER_ROWS:
-        raise ValueError(f"unknown peer router {name!r}; expected one of {', '.join(PEER_ROWS)}")
+    """The command line of the row `name` (of PEER_ROWS or PEER_VARIANTS) over `worker_urls`, on `port`."""
+    if name not in PEER_ROWS and name not in PEER_VARIANTS:
+        known = ", ".join([*PEER_ROWS, *PEER_VARIANTS])
+        raise ValueError(f"unknown peer router {name!r}; expected one of {known}")
     if not worker_urls:
         raise ValueError("a peer router needs at least one worker")
-    router, _, policy = name.partition(" ")
+    router, policy = name.split()[:2]
     module, quiet = _LAUNCHERS[router]
     command = [str(python), "-m", module, "--host", "127.0.0.1", "--port", str(port)]
     command += ["--worker-urls", *worker_urls, "--policy", policy]
@@ -114,7 +123,7 @@ def peer_command(
         for url, endpoint in zip(worker_urls, kv_events, strict=True):
             command += ["--kv-event-source", f"{url}={endpoint}"]
         command += ["--kv-event-block-size", str(block_size), "--kv-event-model", model]
-    return [*command, "--log-level", quiet]
+    return [*command, *PEER_VARIANTS.get(name, ()), "--log-level", quiet]
 
 
 @contextlib.contextmanager

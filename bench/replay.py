@@ -45,7 +45,7 @@ from typing import Any
 
 from bench.arrivals import arrival_sessions, shared_prefix_arrivals, shared_prefix_workload, trace_arrivals
 from bench.loadgen import replay_sessions
-from bench.peers import PEER_ROWS
+from bench.peers import PEER_ROWS, PEER_VARIANTS
 from bench.replay_fleet import run_fleet
 from bench.replay_rows import BLOCKS64, FLEET_MODES, SIM_UNITS, parse_modes, parse_peers
 from bench.replay_tables import endpoint_panels, endpoint_tables
@@ -191,7 +191,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=parse_peers,
         default=(),
         help="peer routers, a row each over fresh workers (bench.peers, installed from PyPI on first use): "
-        f"{', '.join(PEER_ROWS)}, or a router's name for all its rows (sglang, vllm-router); "
+        f"{', '.join(PEER_ROWS)}, or a router's name for all those rows of it (sglang, vllm-router); "
+        f"tuned, named in full: {', '.join(PEER_VARIANTS)}; "
         "comma-separated; sglang reads text prompts only (--text --sim-unit words)",
     )
     fleet.add_argument(

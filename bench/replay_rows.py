@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.local_fleet import SimWorkers, gateway_config
-from bench.peers import PEER_ROWS
+from bench.peers import PEER_ROWS, PEER_VARIANTS
 from bench.shared_flags import INDEX_POLICIES
 from gateway.gateway_config import TEXT_SPEC
 from workers.sim.profiles import get_profile
@@ -176,14 +176,15 @@ def _mode(item: str) -> Mode:
 
 
 def parse_peers(text: str) -> tuple[str, ...]:
-    """`--peers`: peer rows, comma-separated: a row's full name (bench.peers.PEER_ROWS) or a router's,
-    for all of its rows (sglang, vllm-router)."""
+    """`--peers`: peer rows, comma-separated: a row's full name (bench.peers.PEER_ROWS, PEER_VARIANTS)
+    or a router's, for all of its PEER_ROWS (sglang, vllm-router)."""
     rows: list[str] = []
     for item in (i.strip() for i in text.split(",") if i.strip()):
         named = [r for r in PEER_ROWS if r == item or r.startswith(f"{item} ")]
+        named += [item] if item in PEER_VARIANTS else []
         if not named:
             raise argparse.ArgumentTypeError(
-                f"expected rows of {', '.join(PEER_ROWS)} or a router's name; got {item!r}"
+                f"expected rows of {', '.join([*PEER_ROWS, *PEER_VARIANTS])} or a router's name; got {item!r}"
             )
         rows += [r for r in named if r not in rows]
     return tuple(rows)

@@ -130,6 +130,7 @@ ROUTERS = (
     Router("prefixgate cache_threshold precise", "cache_threshold", precise=True),
     Router("prefixgate round_robin", "round_robin"),
     Router("sglang cache_aware"),
+    Router("sglang cache_aware balanced"),
     Router("vllm-router cache_aware"),
     Router("vllm-router kv_aware", token_ids=True),
 )

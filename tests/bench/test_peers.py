@@ -13,7 +13,16 @@ import httpx
 import pytest
 
 from bench.local_fleet import Child, LocalFleet, cli, spawn, stop, wait_ready
-from bench.peers import MARKER, PEER_PINS, PEER_ROWS, peer_command, peer_router, peers_python, peers_venv
+from bench.peers import (
+    MARKER,
+    PEER_PINS,
+    PEER_ROWS,
+    PEER_VARIANTS,
+    peer_command,
+    peer_router,
+    peers_python,
+    peers_venv,
+)
 from bench.token_text import text_of
 from protocol.loopback_ports import free_port
 from workers.completion_replies import WORKER_HEADER
@@ -38,7 +47,7 @@ def test_the_venv_is_made_once_for_its_pins(python: Path) -> None:
 def test_every_flag_a_row_passes_is_one_its_router_knows(python: Path) -> None:
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     helps: dict[str, str] = {}
-    for name in PEER_ROWS:
+    for name in [*PEER_ROWS, *PEER_VARIANTS]:
         events = ["tcp://127.0.0.1:3", "tcp://127.0.0.1:4"]
         command = peer_command(python, name, urls, 10, 11, kv_events=events, block_size=64, model=MODEL)
         module = command[2]
@@ -50,6 +59,12 @@ def test_every_flag_a_row_passes_is_one_its_router_knows(python: Path) -> None:
         assert flags and all(flag in helps[module] for flag in flags), name
         assert command[command.index("--policy") + 1] == name.split()[1]
         assert ("--kv-event-source" in command) == name.endswith("kv_aware")
+        own = list(PEER_VARIANTS.get(name, ()))
+        end = command.index("--log-level")
+        assert command[end - len(own) : end] == own
+    balanced = peer_command(python, "sglang cache_aware balanced", urls, 10, 11)
+    assert balanced[balanced.index("--balance-abs-threshold") + 1] == "1"
+    assert "--balance-abs-threshold" not in peer_command(python, "sglang cache_aware", urls, 10, 11)
     assert f"{urls[0]}=tcp://127.0.0.1:3" in peer_command(
         python,
         "vllm-router kv_aware",

@@ -102,6 +102,11 @@ def test_foreign_units_and_peers_are_checked_before_anything_starts() -> None:
         "sglang cache_aware",
     )
     assert set(args("--peers", "sglang,vllm-router").peers) == set(PEER_ROWS)
+    # A tuned variant runs only when named in full, beside the router's defaults if asked for.
+    assert args("--peers", "sglang,sglang cache_aware balanced").peers == (
+        "sglang cache_aware",
+        "sglang cache_aware balanced",
+    )
     assert args().peers == ()  # no peer rows unless asked for
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "replay", "--sim-fleet", "2", "--peers", "nginx"])
