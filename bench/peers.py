@@ -7,8 +7,8 @@ project's, and neither is a dependency of prefixgate. The venv is made once per 
 under the cache root (~/.cache/prefixgate/venvs/peers), a marker file saying which pins it holds.
 
 A row (PEER_ROWS) is a router and one of its policies, run with that router's own defaults for the
-policy: the flags given are only those without which it would not run here. A variant
-(PEER_VARIANTS), run only when named in full, adds flags of the router's own to a row. The router's port and
+policy: the flags given are only those without which it would not run here (a variant, of
+PEER_VARIANTS, run only when named in full, adds flags of the router's own). The router's port and
 its Prometheus exporter's, which default to fixed ports that rows run side by side would share, both
 on 127.0.0.1; the workers; the policy; and for vllm-router's kv_aware, which follows the workers' KV
 events, their ZMQ endpoints (vLLM's wire format: vLLM's own `--kv-events-config`, or `prefixgate
